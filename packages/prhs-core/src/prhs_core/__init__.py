@@ -1,0 +1,44 @@
+"""prhs-core: the types every prhs host and selector shares, and the dropped-mass theory.
+
+- :mod:`prhs_core.config` -- :class:`AttentionSpec`, :class:`SelectorConfig` (frozen, validated).
+- :mod:`prhs_core.cache` -- :class:`KVCacheView` and its contiguous / paged layouts.
+- :mod:`prhs_core.selection` -- :class:`Selection` and :class:`StepStats`, a step's result.
+- :mod:`prhs_core.state` -- :class:`SequenceStatePool`, per-sequence state (create/append/release).
+- :mod:`prhs_core.protocols` -- :class:`DecodeSelector`, :class:`DecodeStep`, prefill plans.
+- :mod:`prhs_core.registry` -- the selector registry (``selectors``).
+- :mod:`prhs_core.theory` -- δ, TV, output and entropy bounds, routing MI, the reuse certificate.
+
+prhs-core depends on torch and numpy only.
+"""
+
+from prhs_core import theory
+from prhs_core.cache import ContiguousKVCache, KVCacheView, PagedKVCache
+from prhs_core.config import AttentionSpec, LayerType, SelectorConfig
+from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillLayerPlan, PrefillPlanner
+from prhs_core.registry import Registry, RegistryEntry, UnknownSelectorError, selectors
+from prhs_core.selection import Selection, StepStats
+from prhs_core.state import SequenceStatePool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionSpec",
+    "ContiguousKVCache",
+    "DecodeSelector",
+    "DecodeStep",
+    "KVCacheView",
+    "LayerType",
+    "PagedKVCache",
+    "PrefillLayerPlan",
+    "PrefillPlanner",
+    "Registry",
+    "RegistryEntry",
+    "SelectorConfig",
+    "Selection",
+    "SequenceStatePool",
+    "StepStats",
+    "UnknownSelectorError",
+    "__version__",
+    "selectors",
+    "theory",
+]
