@@ -1,11 +1,16 @@
 """prhs-core: the types every prhs host and selector shares, and the dropped-mass theory.
 
-- :mod:`prhs_core.config` -- :class:`AttentionSpec`, :class:`SelectorConfig` (frozen, validated).
-- :mod:`prhs_core.cache` -- :class:`KVCacheView` and its contiguous / paged layouts.
-- :mod:`prhs_core.selection` -- :class:`Selection` and :class:`StepStats`, a step's result.
-- :mod:`prhs_core.state` -- :class:`SequenceStatePool`, per-sequence state (create/append/release).
-- :mod:`prhs_core.protocols` -- :class:`DecodeSelector`, :class:`DecodeStep`, prefill plans.
-- :mod:`prhs_core.registry` -- the selector registry (``selectors``).
+- :mod:`prhs_core.config` -- :class:`~prhs_core.config.AttentionSpec`,
+  :class:`~prhs_core.config.SelectorConfig` (frozen, validated).
+- :mod:`prhs_core.cache` -- :class:`~prhs_core.cache.KVCacheView` and its contiguous / paged
+  layouts.
+- :mod:`prhs_core.selection` -- :class:`~prhs_core.selection.Selection` and
+  :class:`~prhs_core.selection.StepStats`, a step's result.
+- :mod:`prhs_core.state` -- :class:`~prhs_core.state.SequenceStatePool`, per-sequence state
+  (create / append / release).
+- :mod:`prhs_core.protocols` -- :class:`~prhs_core.protocols.DecodeSelector`,
+  :class:`~prhs_core.protocols.DecodeStep`, prefill plans.
+- :mod:`prhs_core.registry` -- the selector registry (:data:`~prhs_core.registry.selectors`).
 - :mod:`prhs_core.theory` -- δ, TV, output and entropy bounds, routing MI, the reuse certificate.
 
 prhs-core depends on torch and numpy only.
@@ -33,8 +38,8 @@ __all__ = [
     "PrefillPlanner",
     "Registry",
     "RegistryEntry",
-    "SelectorConfig",
     "Selection",
+    "SelectorConfig",
     "SequenceStatePool",
     "StepStats",
     "UnknownSelectorError",

@@ -118,8 +118,9 @@ class _LogicalKVCache:
         positions = positions.to(torch.long)
         ok = (positions >= 0) & (positions < self._seq_lens.view(-1, 1, 1))
         k, v = self._gather_storage(torch.where(ok, positions, 0))
+        # where, not a multiply: a padding entry reads whatever storage holds (NaN * 0 = NaN).
         keep = ok.unsqueeze(-1)
-        return k * keep.to(k.dtype), v * keep.to(v.dtype)
+        return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
     def _all_positions(self) -> torch.Tensor:
         t = torch.arange(self._max_seq_len, device=self._seq_lens.device)
@@ -196,11 +197,10 @@ class ContiguousKVCache(_LogicalKVCache):
         self._max_seq_len = int(seq_lens.max()) if b > 0 else 0
 
     def _gather_storage(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = positions + self.start.view(-1, 1, 1)
+        # A row with seq_lens 0 may start at T; its (padding) reads must stay inside storage.
+        idx = (positions + self.start.view(-1, 1, 1)).clamp(0, max(self.key.shape[2] - 1, 0))
         k = torch.gather(self.key, 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.key.shape[-1]))
-        v = torch.gather(
-            self.value, 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.value.shape[-1])
-        )
+        v = torch.gather(self.value, 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.value.shape[-1]))
         return k, v
 
 

@@ -61,9 +61,11 @@ class AttentionSpec:
                     f"layer_types must give one entry per layer ({self.num_layers}), "
                     f"got {len(types)}"
                 )
-            bad = sorted({t for t in types if t not in ("full", "sliding")})
+            bad = sorted({repr(t) for t in types if t not in ("full", "sliding")})
             if bad:
-                raise ValueError(f"layer_types entries must be 'full' or 'sliding', got {bad}")
+                raise ValueError(
+                    f"layer_types entries must be 'full' or 'sliding', got {', '.join(bad)}"
+                )
             object.__setattr__(self, "layer_types", types)
 
     @property

@@ -90,7 +90,7 @@ class Registry(Generic[T]):
         Raises ``ValueError`` for a malformed name or a name already taken (unless ``replace``),
         and ``TypeError`` when ``config`` is not a dataclass.
         """
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(
                 f"{self.kind} names are lowercase identifiers like 'cis' or 'double_sparsity', "
                 f"got {name!r}"
@@ -163,8 +163,7 @@ class Registry(Generic[T]):
             config = entry.config(**kwargs)
         elif not isinstance(config, entry.config):
             raise TypeError(
-                f"{self.kind} {name!r} takes a {entry.config.__name__}, "
-                f"got {type(config).__name__}"
+                f"{self.kind} {name!r} takes a {entry.config.__name__}, got {type(config).__name__}"
             )
         return entry.factory(config)
 

@@ -105,7 +105,6 @@ class Selection:
         if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
             raise ValueError("mask must be a [B, Hkv, T] bool tensor")
         check_bool_mask("mask", mask, tuple(mask.shape))
-        b, h, t = mask.shape
         width = int(mask.sum(-1).max()) if mask.numel() else 0
         # Stable sort puts selected positions first, in increasing order.
         order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]

@@ -69,16 +69,16 @@ class SequenceStatePool:
             raise ValueError(f"field name must be an identifier, got {name!r}")
         if name in self._specs:
             raise ValueError(f"field {name!r} already exists in this pool")
-        dims = tuple(check_int(f"shape[{i}] of field {name!r}", s, minimum=0) for i, s in
-                     enumerate(shape))
+        dims = tuple(
+            check_int(f"shape[{i}] of field {name!r}", s, minimum=0) for i, s in enumerate(shape)
+        )
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        spec = _FieldSpec(dims, dtype, fill)
-        self._specs[name] = spec
-        self._fields[name] = torch.full(
-            (self.capacity, *dims), fill, dtype=dtype, device=self.device
-        )
-        return self._fields[name]
+        # Build the tensor before recording the spec: a bad fill must leave the pool unchanged.
+        tensor = torch.full((self.capacity, *dims), fill, dtype=dtype, device=self.device)
+        self._specs[name] = _FieldSpec(dims, dtype, fill)
+        self._fields[name] = tensor
+        return tensor
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The field ``name`` as ``[capacity, *shape]`` (index it with slot ids)."""
@@ -113,11 +113,13 @@ class SequenceStatePool:
 
     def _counts(self, name: str, value: int | Sequence[int] | torch.Tensor, n: int) -> list[int]:
         if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
             vals = [int(v) for v in value.flatten().tolist()]
-        elif isinstance(value, int) and not isinstance(value, bool):
-            vals = [value] * n
+        elif isinstance(value, Sequence) and not isinstance(value, str):
+            vals = [check_int(name, v) for v in value]
         else:
-            vals = [check_int(name, v) for v in value]  # type: ignore[union-attr]
+            vals = [check_int(name, value)] * n
         if len(vals) != n:
             raise ValueError(f"{name} must give one value per slot ({n}), got {len(vals)}")
         if any(v < 0 for v in vals):

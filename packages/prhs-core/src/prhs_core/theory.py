@@ -160,7 +160,10 @@ def retained_mass(
 def restricted_probs(
     logits: torch.Tensor, selected: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``p_S``: ``p`` restricted to ``S`` and renormalised; ``[..., T]``. ``S`` must be non-empty."""
+    """``p_S``: ``p`` restricted to ``S`` and renormalised; ``[..., T]``.
+
+    ``S`` must be non-empty.
+    """
     work, sel, _ = _prep(logits, selected, valid)
     assert sel is not None
     _require_nonempty(sel, "p_S")
@@ -226,9 +229,9 @@ def output_error(
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``‖o − o_S‖₂``; ``[...]``."""
-    return (dense_output(logits, values, valid) - sparse_output(logits, values, selected, valid)).norm(
-        dim=-1
-    )
+    return (
+        dense_output(logits, values, valid) - sparse_output(logits, values, selected, valid)
+    ).norm(dim=-1)
 
 
 def output_error_bound(
@@ -270,9 +273,7 @@ def binary_entropy(x: float | torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(x, x) - torch.special.xlogy(1 - x, 1 - x)
 
 
-def entropy_continuity_bound(
-    tv: float | torch.Tensor, t: int | torch.Tensor
-) -> torch.Tensor:
+def entropy_continuity_bound(tv: float | torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
     """Fannes–Audenaert: ``|H(p) − H(q)| ≤ TV·ln(t−1) + h(TV)`` for ``TV ≤ 1 − 1/t``.
 
     ``t`` is the support size (``>= 1``). Past ``1 − 1/t`` the bound is the trivial ``ln t``,
@@ -366,7 +367,9 @@ def log_reuse_certificate(
     return torch.where(torch.isneginf(la), la, out)
 
 
-def reuse_certificate(delta_anchor: float | torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
+def reuse_certificate(
+    delta_anchor: float | torch.Tensor, eps: float | torch.Tensor
+) -> torch.Tensor:
     """``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)`` (SPEC §2.5).
 
     If ``S`` was chosen for an anchor query with dropped mass ``δ_a`` and every logit moves by at
@@ -389,7 +392,9 @@ def _rank(scores: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-def _k_tensor(k: int | torch.Tensor, batch_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _k_tensor(
+    k: int | torch.Tensor, batch_shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     if isinstance(k, torch.Tensor):
         if k.is_floating_point() or k.dtype == torch.bool:
             raise TypeError(f"k must be an int or an integer tensor, got dtype {k.dtype}")
@@ -403,7 +408,9 @@ def _k_tensor(k: int | torch.Tensor, batch_shape: tuple[int, ...], device: torch
 def oracle_topk_mask(
     scores: torch.Tensor, k: int | torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``S*_k``: the ``min(k, t)`` valid positions of largest score (ties: lower index); ``[..., T]``.
+    """``S*_k``: the ``min(k, t)`` valid positions of largest score; ``[..., T]``.
+
+    Ties go to the lower index.
 
     ``k``: int or ``[...]`` per row, ``>= 1``.
     """

@@ -1,3 +1,3 @@
-"""PrHS evaluation: transformers integration, offline long-context tasks, metrics, benchmarks and the prhs-eval CLI."""
+"""PrHS evaluation: transformers integration, tasks, metrics and the prhs-eval CLI."""
 
 __version__ = "0.1.0"

@@ -1,3 +1,3 @@
-"""PrHS kernels: Triton (GPU) and Numba (CPU) sparse-attention and selection kernels, each beside a torch reference."""
+"""PrHS kernels: Triton (GPU) and Numba (CPU) kernels, each beside a torch reference."""
 
 __version__ = "0.1.0"

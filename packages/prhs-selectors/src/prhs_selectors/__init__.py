@@ -1,3 +1,3 @@
-"""PrHS selectors: CIS, PSAW, ETF and the sparse-attention baselines, one module each, registered by name."""
+"""PrHS selectors: CIS, PSAW, ETF and the baselines, one module each, by name."""
 
 __version__ = "0.1.0"
