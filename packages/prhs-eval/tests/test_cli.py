@@ -50,3 +50,61 @@ def test_unknown_command_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# run / compare
+# ---------------------------------------------------------------------------------------------
+BAD_ARGS = {
+    "unknown-selector": (["run", "cys"], "unknown selector 'cys'"),
+    "budget-zero": (["run", "cis", "--set", "budget=0"], "budget must be >= 1"),
+    "bad-option": (["run", "oracle", "--set", "oracle.tau=0.5"], "no option"),
+    "option-nobody-has": (["compare", "--selectors", "dense,oracle", "--set", "tau=0.5"],
+                          "no selector"),
+    "unknown-task": (["compare", "--tasks", "passkey,gsm9k"], "unknown task"),
+    "unknown-model": (["run", "dense", "--model", "no-such-model"], "unknown model"),
+    "set-syntax": (["run", "cis", "--set", "budget"], "KEY=VALUE"),
+    "budgets": (["compare", "--budgets", "32,-1"], "positive integer"),
+    "context": (["run", "cis", "--context-len", "0"], "positive integer"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGS))
+def test_bad_arguments_fail_before_the_model_loads(name, monkeypatch, capsys):
+    import prhs_eval.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(prhs_eval.models, "load_model", no_load)
+    argv, message = BAD_ARGS[name]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
+    import csv
+    import json
+    from pathlib import Path
+
+    cache_root = Path(smollm2.source_path).parent
+    monkeypatch.setenv("PRHS_CACHE_DIR", str(cache_root))
+    out = tmp_path / "res"
+    code = main(["compare", "--selectors", "dense,oracle,streaming", "--tasks", "passkey",
+                 "--context-len", "300", "--samples", "1", "--set", "budget=16",
+                 "--set", "oracle.block_size=1", "--out", str(out), "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    for name in ("dense", "oracle", "streaming"):
+        assert name in text
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["selector"] for r in rows] == ["dense", "oracle", "streaming"]
+    records = [json.loads(line) for line in open(out / "results.jsonl")]
+    assert records[0]["delta_mean"] == 0.0  # dense drops nothing
+    assert records[2]["delta_mean"] > 0  # streaming at budget 16 does
+    assert records[1]["options"]["budget"] == 16
+    assert all(len(r["samples"]) == 1 for r in records)
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,6 +27,7 @@ __all__ = [
     "block_any",
     "block_max",
     "exact_group_scores",
+    "exact_logits64",
     "make_selection",
     "topk_mask",
     "window_mask",
@@ -69,6 +70,20 @@ def exact_group_scores(step: DecodeStep) -> GroupScores:
     logits = logits.masked_fill(~valid.view(b, 1, 1, -1), NEG_INF)
     probs = torch.softmax(logits, dim=-1).mean(2)
     return GroupScores(logits, probs, valid, keys.norm(dim=-1))
+
+
+def exact_logits64(step: DecodeStep) -> torch.Tensor:
+    """``[B, Hkv, g, T]`` float64 logits of every cached key, ``-inf`` past each end.
+
+    For quantities that are certified (a dropped mass that a bound is built on), where float32
+    rounding of the logits would show as a spurious violation.
+    """
+    cache = step.cache
+    b, hq, d = step.query.shape
+    hkv = cache.num_kv_heads
+    q = step.query.reshape(b, hkv, hq // hkv, d).double()
+    logits = torch.einsum("bhgd,bhtd->bhgt", q, cache.keys().double()) * step.scaling
+    return logits.masked_fill(~cache.valid_mask().view(b, 1, 1, -1), NEG_INF)
 
 
 def window_mask(seq_lens: torch.Tensor, max_len: int, n_sink: int, n_local: int) -> torch.Tensor:

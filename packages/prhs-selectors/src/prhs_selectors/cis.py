@@ -41,6 +41,7 @@ from prhs_selectors.base import (
     block_any,
     block_max,
     exact_group_scores,
+    exact_logits64,
     make_selection,
     topk_mask,
 )
@@ -285,19 +286,23 @@ class CIS(BaseSelector):
             fresh = (new_set | win_b) & valid_b
             chosen = torch.where(retrieve.unsqueeze(-1), fresh, chosen)
             sink_b = block_any(self._sink_tokens(b, h, t_max, dev), s)
-            anchor_keep = self._to_tokens(
-                self._reuse_blocks(new_set, block_max(scores.probs, s), nb) | sink_b, t_max
-            )
-            log_d_anchor = group_log_dropped_mass(scores.logits, anchor_keep & scores.valid[:, None])
-            if delta_hat is not None:
-                # A retrieval's δ is known exactly: that of the set it reads.
-                read = self._to_tokens(fresh, t_max) & scores.valid[:, None]
-                exact = torch.exp(group_log_dropped_mass(scores.logits, read)).float()
+            new_score = block_max(scores.probs, s)
+            anchor_keep = self._to_tokens(self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max)
+            if c.certified:
+                # δ_a and a retrieval's own δ are what the bound rests on: float64 logits.
+                logits64 = exact_logits64(step)
+                valid = scores.valid[:, None]
+                log_d_anchor = group_log_dropped_mass(logits64, anchor_keep & valid)
+                read = self._to_tokens(fresh, t_max) & valid
+                exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
+                assert delta_hat is not None
                 delta_hat = torch.where(retrieve, exact, delta_hat)
+            else:
+                log_d_anchor = torch.zeros(b, h, dtype=torch.float64, device=dev)
             kmax_all = scores.key_norms.amax(-1)
             self._write_anchor(
                 state, layer, slots, retrieve, q, seq_lens.expand(b, h), new_set,
-                block_max(scores.probs, s), log_d_anchor, kmax_all, qa, ta, a_set, a_score,
+                new_score, log_d_anchor, kmax_all, qa, ta, a_set, a_score,
                 a_logd, a_kmax, nb,
             )
             proxy = torch.where(retrieve, self.retrieval_bytes(step).expand(b, h), proxy)

@@ -34,6 +34,9 @@ def _check_ratio(name: str, value: object) -> None:
 class H2OConfig(SelectorConfig):
     """Hyperparameters of :class:`H2O`.
 
+    The shared fields are those of :class:`~prhs_core.config.SelectorConfig`; ``block_size``
+    must be 1 (H2O evicts single tokens).
+
     Parameters
     ----------
     heavy_ratio, recent_ratio:
@@ -42,9 +45,6 @@ class H2OConfig(SelectorConfig):
         (Python's ``round``), ``n_recent = k − n_heavy``. H2O states both as fractions of the
         cache (0.1 each by default, so the default split is half and half). Each must lie in
         ``(0, 1]``.
-
-    The shared fields are those of :class:`~prhs_core.config.SelectorConfig`; ``block_size``
-    must be 1 (H2O evicts single tokens).
     """
 
     heavy_ratio: float = 0.1

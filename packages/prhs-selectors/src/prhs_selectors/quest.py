@@ -21,6 +21,10 @@ __all__ = ["Quest", "QuestConfig", "page_bounds"]
 class QuestConfig(SelectorConfig):
     """Hyperparameters of :class:`Quest`.
 
+    The shared fields are those of :class:`~prhs_core.config.SelectorConfig`; the budget ``k``
+    buys ``max(1, k // page_size)`` pages, and ``block_size`` must be 1 or ``page_size`` (the
+    selection always comes in pages).
+
     Parameters
     ----------
     page_size:
@@ -28,10 +32,6 @@ class QuestConfig(SelectorConfig):
     dense_layers:
         The first ``dense_layers`` layers are dense (Quest leaves the first two layers alone:
         their attention is not sparse). Must be ``>= 0``.
-
-    The shared fields are those of :class:`~prhs_core.config.SelectorConfig`; the budget ``k``
-    buys ``max(1, k // page_size)`` pages, and ``block_size`` must be 1 or ``page_size`` (the
-    selection always comes in pages).
     """
 
     page_size: int = 16

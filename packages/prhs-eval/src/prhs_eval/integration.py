@@ -1,0 +1,368 @@
+"""Run a transformers model's attention through a prhs selector.
+
+One call::
+
+    runtime = prhs_eval.enable(model, "cis", budget=128)   # or a selector instance
+    model.generate(**batch, max_new_tokens=32)              # batched, left-padded: works
+    runtime.disable()                                       # back to the model's own attention
+
+What it installs (transformers 5.x):
+
+- an ``AttentionInterface`` entry ``"prhs"`` (and the matching ``AttentionMaskInterface`` entry,
+  which always materialises the boolean mask so padding and Gemma3's sliding windows arrive in
+  every layer). At decode, every full-attention layer builds a
+  :class:`~prhs_core.cache.ContiguousKVCache` over the layer's cache, asks the selector for a
+  :class:`~prhs_core.selection.Selection` and runs
+  :func:`prhs_kernels.sparse_decode_attention` over it. Sliding-window layers (Gemma3's local
+  layers) run the model's own SDPA attention. At prefill, a selector with a prefill plan (PSAW)
+  restricts each row's window;
+- a forward hook on every decoder layer for ETF: the frozen prefix's hidden states leave the
+  layer as they entered it (their keys/values at that layer are still computed from them);
+- forward pre-hooks that find the live ``Cache`` object. The selector's per-sequence state (a
+  :class:`~prhs_core.state.SequenceStatePool`, slot ``b`` = batch row ``b``) is stored *on* that
+  cache, so it goes wherever the cache goes, and a fresh prefill into a cache starts fresh state.
+
+Supported families: Llama (SmolLM2), Qwen2 and Gemma3. Anything else raises
+:class:`UnsupportedModelError` before any change is made. Beam search (which reorders cache rows)
+is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from prhs_core.cache import ContiguousKVCache
+from prhs_core.config import AttentionSpec, LayerType
+from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillPlanner
+from prhs_core.registry import selectors
+from prhs_core.selection import Selection
+from prhs_core.state import SequenceStatePool
+from prhs_kernels import sparse_decode_attention
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_FAMILIES",
+    "PrhsRuntime",
+    "UnsupportedModelError",
+    "attention_spec",
+    "enable",
+]
+
+ATTN_IMPLEMENTATION = "prhs"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "gemma3_text", "gemma3")
+_POOL_ATTR = "_prhs_state_pool"
+
+StepObserver = Callable[[DecodeStep, Selection], None]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's family is not one prhs can wrap."""
+
+
+def attention_spec(config: Any) -> AttentionSpec:
+    """The :class:`~prhs_core.config.AttentionSpec` of a transformers text config."""
+    n = int(config.num_hidden_layers)
+    hq = int(config.num_attention_heads)
+    hkv = int(getattr(config, "num_key_value_heads", None) or hq)
+    d = int(getattr(config, "head_dim", None) or config.hidden_size // hq)
+    kinds: tuple[LayerType, ...] | None = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        kinds = tuple("sliding" if "sliding" in str(t) else "full" for t in layer_types)
+    return AttentionSpec(n, hq, hkv, d, kinds)
+
+
+def _text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _decoder_layers(model: Any) -> Any:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return decoder, decoder.layers
+
+
+def _prhs_mask(*args: Any, **kwargs: Any) -> Any:
+    """SDPA's boolean mask, never skipped: padding and sliding windows reach every layer."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    if "allow_is_bidirectional_skip" in kwargs:
+        kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _prhs_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    runtime = getattr(module, "_prhs_runtime", None)
+    if runtime is None:
+        raise RuntimeError(
+            "attn_implementation='prhs' needs a selector: call prhs_eval.enable(model, name) first"
+        )
+    return runtime.attend(module, query, key, value, attention_mask, scaling, kwargs)
+
+
+def _register_interfaces() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _prhs_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _prhs_mask)
+
+
+def _row_bounds(mask: torch.Tensor | None, batch: int, length: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start [B], lens [B])`` of left-padded rows from a ``[B, T]`` validity mask."""
+    if mask is None:
+        lens = torch.full((batch,), length, dtype=torch.long, device=device)
+        return torch.zeros_like(lens), lens
+    valid = mask.to(torch.bool)
+    lens = valid.sum(-1)
+    start = length - lens
+    expected = torch.arange(length, device=valid.device).view(1, -1) >= start.view(-1, 1)
+    if not bool((expected == valid).all()):
+        raise ValueError(
+            "prhs needs left-padded batches (each row's tokens contiguous at the end); "
+            "got an attention mask with holes or right padding"
+        )
+    return start, lens
+
+
+class PrhsRuntime:
+    """The selector installed on one model; made by :func:`enable`.
+
+    Attributes
+    ----------
+    selector:
+        The decode selector (and prefill planner, if it is one).
+    spec:
+        The model's attention geometry.
+    observers:
+        Callables ``(step, selection)`` run after each selection (metrics); see
+        :meth:`add_observer`.
+    """
+
+    def __init__(self, model: Any, selector: DecodeSelector, max_seq_len: int) -> None:
+        self.model = model
+        self.selector = selector
+        self.spec = attention_spec(_text_config(model))
+        self.max_seq_len = max_seq_len
+        self.observers: list[StepObserver] = []
+        self._selectable = frozenset(self.spec.selectable_layers)
+        self._first_layer = min(self.spec.selectable_layers)
+        self._planner = selector if isinstance(selector, PrefillPlanner) else None
+        self._handles: list[Any] = []
+        self._previous_impl: str | None = None
+        self._cache: Any = None
+        self._fresh_prefill = False
+        self._row_mask: torch.Tensor | None = None
+        self.enabled = False
+
+    # -- install / remove -------------------------------------------------------------------
+    def _install(self) -> None:
+        decoder, layers = _decoder_layers(self.model)
+        self._handles.append(
+            decoder.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)
+        )
+        for layer in layers:
+            self._handles.append(
+                layer.register_forward_pre_hook(self._layer_pre_hook, with_kwargs=True)
+            )
+            if self._planner is not None:
+                self._handles.append(
+                    layer.register_forward_hook(self._etf_hook, with_kwargs=True)
+                )
+            layer.self_attn._prhs_runtime = self
+        self._previous_impl = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.enabled = True
+
+    def disable(self) -> None:
+        """Remove every hook and restore the model's previous attention implementation."""
+        if not self.enabled:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _, layers = _decoder_layers(self.model)
+        for layer in layers:
+            if getattr(layer.self_attn, "_prhs_runtime", None) is self:
+                del layer.self_attn._prhs_runtime
+        self.model.set_attn_implementation(self._previous_impl or "sdpa")
+        self.enabled = False
+
+    def add_observer(self, fn: StepObserver) -> None:
+        """Call ``fn(step, selection)`` after every decode selection."""
+        self.observers.append(fn)
+
+    # -- state ------------------------------------------------------------------------------
+    def state_for(self, cache: Any) -> SequenceStatePool | None:
+        """The selector state stored on ``cache`` (``None`` before its first prefill)."""
+        return getattr(cache, _POOL_ATTR, None) if cache is not None else None
+
+    def _new_state(self, cache: Any, batch: int, lens: torch.Tensor, device: torch.device
+                   ) -> SequenceStatePool:
+        pool = self.selector.init_state(self.spec, batch, self.max_seq_len, device)
+        pool.create(list(range(batch)), lens)
+        if cache is not None:
+            setattr(cache, _POOL_ATTR, pool)
+        return pool
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        past = kwargs.get("past_key_values")
+        self._fresh_prefill = past is None or past.get_seq_length() == 0
+        mask = kwargs.get("attention_mask")
+        self._row_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+
+    def _layer_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self._cache = kwargs.get("past_key_values")
+
+    def _etf_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        hidden_in = args[0] if args else kwargs["hidden_states"]
+        out = output[0] if isinstance(output, tuple) else output
+        if not self._fresh_prefill or hidden_in.shape[1] <= 1 or self._planner is None:
+            return output
+        layer = module.self_attn.layer_idx
+        b, t = hidden_in.shape[:2]
+        start, lens = _row_bounds(self._row_mask, b, t, hidden_in.device)
+        frozen = torch.zeros(b, t, dtype=torch.bool, device=hidden_in.device)
+        pos = torch.arange(t, device=hidden_in.device)
+        for i, (s, n) in enumerate(zip(start.tolist(), lens.tolist(), strict=True)):
+            e = self._planner.plan_prefill(layer, self.spec.num_layers, n).frozen_prefix
+            frozen[i] = (pos >= s) & (pos < s + e)
+        if not bool(frozen.any()):
+            return output
+        new = torch.where(frozen.unsqueeze(-1), hidden_in, out)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    # -- attention --------------------------------------------------------------------------
+    def attend(
+        self,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, None]:
+        """The attention of one layer call (``query [B, Hq, Tq, D]``, cache ``[B, Hkv, Tk, D]``)."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = module.layer_idx
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        b, _, tq, _ = query.shape
+        tk = key.shape[2]
+        if layer not in self._selectable:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          scaling=scale, **kwargs)
+        last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
+        if tq > 1:
+            if layer == self._first_layer and self._fresh_prefill:
+                _, lens = _row_bounds(last_row, b, tk, query.device)
+                self._new_state(self._cache, b, lens, query.device)
+            mask = attention_mask
+            if self._planner is not None and self._fresh_prefill and tq == tk:
+                mask = self._prefill_mask(layer, attention_mask, b, tk, query.device)
+            return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
+
+        start, lens = _row_bounds(last_row, b, tk, query.device)
+        pool = self.state_for(self._cache)
+        if pool is None:  # decoding into a cache prefilled without prhs
+            pool = self._new_state(self._cache, b, lens - 1, query.device)
+        if layer == self._first_layer:
+            pool.append(list(range(b)), 1)
+        view = ContiguousKVCache(key, value, lens, start, check_values=False)
+        slots = torch.arange(b, device=query.device)
+        step = DecodeStep(layer, query[:, :, 0], view, slots, scale)
+        selection = self.selector.select(step, pool)
+        for fn in self.observers:
+            fn(step, selection)
+        out, _ = sparse_decode_attention(step.query, view, selection, scale)
+        return out.unsqueeze(1), None
+
+    def _prefill_mask(
+        self, layer: int, mask: torch.Tensor | None, b: int, t: int, device: torch.device
+    ) -> torch.Tensor:
+        """The model's mask restricted by the planner's per-row window (PSAW), left padding
+        handled by indexing the plan with each row's logical position."""
+        assert self._planner is not None
+        last_row = mask[:, 0, -1, :] if mask is not None else None
+        start, lens = _row_bounds(last_row, b, t, device)
+        plan = self._planner.plan_prefill(layer, self.spec.num_layers, int(lens.max()))
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        base = mask.to(torch.bool) if mask is not None else causal.expand(b, 1, t, t)
+        if plan.window_start is None:
+            return base
+        pos = torch.arange(t, device=device)
+        logical = pos.view(1, -1) - start.view(-1, 1)  # [B, T], negative in padding
+        lo = plan.window_start.to(device)[logical.clamp(0, plan.prompt_len - 1)]  # [B, T]
+        rows = lo.view(b, 1, t, 1)
+        cols = logical.view(b, 1, 1, t)
+        allowed = (cols >= rows) | (cols < plan.n_sink)
+        return base & allowed
+
+
+def enable(
+    model: Any,
+    selector: str | DecodeSelector = "prhs",
+    *,
+    max_seq_len: int | None = None,
+    **options: Any,
+) -> PrhsRuntime:
+    """Make ``model`` decode (and, for PSAW/ETF/CPE, prefill) through a prhs selector.
+
+    Parameters
+    ----------
+    model:
+        A loaded transformers causal LM of a supported family (Llama, Qwen2, Gemma3).
+    selector:
+        A registered name (``prhs-eval selectors`` lists them) or a selector instance.
+    max_seq_len:
+        Longest sequence the selector state must hold; the model's
+        ``max_position_embeddings`` by default.
+    **options:
+        Config values for a named selector (``budget=128``, ``tau=0.9`` ...), validated before
+        the model is touched.
+
+    Returns
+    -------
+    PrhsRuntime
+        Call :meth:`PrhsRuntime.disable` to restore the model.
+    """
+    config = _text_config(model)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"prhs cannot wrap model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    if isinstance(selector, str):
+        sel = selectors.create(selector, **options)
+    else:
+        if options:
+            raise TypeError("options are for a selector given by name; configure the instance")
+        sel = selector
+    if not isinstance(sel, DecodeSelector):
+        raise TypeError(f"selector must implement DecodeSelector, got {type(sel).__name__}")
+    existing = getattr(model, "_prhs_runtime", None)
+    if existing is not None and existing.enabled:
+        raise RuntimeError("prhs is already enabled on this model; call runtime.disable() first")
+    if max_seq_len is None:
+        max_seq_len = int(getattr(config, "max_position_embeddings", 0) or 32768)
+    _register_interfaces()
+    runtime = PrhsRuntime(model, sel, max_seq_len)
+    runtime._install()
+    model._prhs_runtime = runtime
+    return runtime

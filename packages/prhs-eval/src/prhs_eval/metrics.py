@@ -1,0 +1,262 @@
+"""SPEC.md §1 selection metrics, measured against dense scores on the same decode steps.
+
+A :class:`SelectionMeter` is an observer of a :class:`~prhs_eval.integration.PrhsRuntime`: after
+each selection it scores every cached key exactly (what dense attention would have used) and
+records, per (step, layer, KV head) decision:
+
+- ``δ``: the group-mean dropped mass of the positions read (log space, SPEC §2.7);
+- ``β``: the retained-mass gap to the oracle of the same size, ``τ(S*_{|S|}) − τ(S)``;
+- oracle overlap ``|S ∩ S*_{|S|}| / |S|`` and the recall of the top-50%-mass part of it;
+- ``ρ̂`` (share of decisions that scored every key, in %), ``Avg KV`` (mean ``|S|``), and the
+  bytes read per step (selected K/V rows + proxy bytes, per sequence, all layers);
+- violations of a certified ``δ̂`` (``δ > δ̂``), when the selector certifies;
+- routing mutual information per (layer, query head) over the steps of a sequence: the
+  empirical ``ΔI_emp = |I_full − I_S|`` beside the bound ``B_MI`` (SPEC §2.4), with the
+  support of every step padded to the sequence's final length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from prhs_core import theory
+from prhs_core.protocols import DecodeStep
+from prhs_core.selection import Selection
+
+__all__ = ["SelectionMeter", "SelectionMetrics"]
+
+
+@dataclass(frozen=True)
+class SelectionMetrics:
+    """Aggregated selection metrics of a run (means over decisions unless said otherwise).
+
+    Attributes
+    ----------
+    decisions:
+        Number of (step, layer, sequence, KV head) decisions measured.
+    delta_mean, delta_max:
+        Dropped mass ``δ`` of the positions read.
+    beta_emp:
+        Mean retained-mass gap ``β`` to the same-size oracle.
+    oracle_overlap, top_mass_recall:
+        Overlap with the same-size oracle set, and recall of its top-50%-mass part.
+    retrieval_ratio:
+        ``ρ̂`` in %.
+    avg_kv:
+        Mean positions read per KV head per step (``Avg KV``).
+    bytes_per_step, dense_bytes_per_step:
+        Bytes read per sequence per decode step over all selectable layers, and what dense
+        attention reads.
+    b_mi, delta_i_emp:
+        Mean MI bound ``B_MI`` and empirical ``ΔI_emp`` over (sequence, layer, query head).
+    certificate_violations:
+        Decisions whose certified ``δ̂`` fell below the measured ``δ`` (``None``: no certificate).
+    """
+
+    decisions: int
+    delta_mean: float
+    delta_max: float
+    beta_emp: float
+    oracle_overlap: float
+    top_mass_recall: float
+    retrieval_ratio: float
+    avg_kv: float
+    bytes_per_step: float
+    dense_bytes_per_step: float
+    b_mi: float
+    delta_i_emp: float
+    certificate_violations: int | None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Plain dict for result files."""
+        return asdict(self)
+
+
+class _MIAccumulator:
+    """Running sums for one sequence's routing MI, per (layer, query head)."""
+
+    def __init__(self) -> None:
+        self.sum_p: dict[int, torch.Tensor] = {}
+        self.sum_ps: dict[int, torch.Tensor] = {}
+        self.sum_h: dict[int, torch.Tensor] = {}
+        self.sum_hs: dict[int, torch.Tensor] = {}
+        self.deltas: dict[int, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def _grow(acc: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+        if acc is None:
+            return p.clone()
+        t_old, t_new = acc.shape[-1], p.shape[-1]
+        if t_new > t_old:
+            acc = torch.nn.functional.pad(acc, (0, t_new - t_old))
+        elif t_old > t_new:
+            p = torch.nn.functional.pad(p, (0, t_old - t_new))
+        return acc + p
+
+    def add(self, layer: int, p: torch.Tensor, ps: torch.Tensor, delta: torch.Tensor) -> None:
+        """``p``, ``ps``: ``[B, Hq, T]`` dense and sparse routing; ``delta``: ``[B, Hq]``."""
+        self.sum_p[layer] = self._grow(self.sum_p.get(layer), p)
+        self.sum_ps[layer] = self._grow(self.sum_ps.get(layer), ps)
+        self.sum_h[layer] = self.sum_h.get(layer, 0) + theory.entropy(p)
+        self.sum_hs[layer] = self.sum_hs.get(layer, 0) + theory.entropy(ps)
+        self.deltas.setdefault(layer, []).append(delta)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ΔI_emp, B_MI)`` flattened over (layer, sequence, query head)."""
+        d_i, b_mi = [], []
+        for layer, deltas in self.deltas.items():
+            n = len(deltas)
+            t = self.sum_p[layer].shape[-1]
+            i_full = theory.entropy(self.sum_p[layer] / n) - self.sum_h[layer] / n
+            i_sparse = theory.entropy(self.sum_ps[layer] / n) - self.sum_hs[layer] / n
+            d_i.append((i_full - i_sparse).abs().flatten())
+            stacked = torch.stack(deltas, dim=-1).clamp(0, 1)  # [B, Hq, steps]
+            b_mi.append(theory.mi_loss_bound(stacked, t).flatten())
+        if not d_i:
+            empty = torch.zeros(0, dtype=torch.float64)
+            return empty, empty
+        return torch.cat(d_i), torch.cat(b_mi)
+
+
+class SelectionMeter:
+    """Observer measuring every selection against dense attention; see the module docstring.
+
+    Call :meth:`end_sequence` when a batch of sequences finishes (it closes their MI sums) and
+    :meth:`result` at the end.
+    """
+
+    def __init__(self, *, mi: bool = True, certificate_tolerance: float = 1e-6) -> None:
+        self.mi = mi
+        self.tolerance = certificate_tolerance
+        self._sums: dict[str, float] = {}
+        self._delta_max = 0.0
+        self._decisions = 0
+        self._violations: int | None = None
+        self._mi = _MIAccumulator()
+        self._mi_results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._step_bytes = 0.0
+        self._step_dense = 0.0
+        self._bytes_total = 0.0
+        self._dense_total = 0.0
+        self._step_count = 0
+        self._last_layer: int | None = None
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + float(value.double().sum())
+
+    def __call__(self, step: DecodeStep, selection: Selection) -> None:
+        """Measure one layer's selection at one decode step."""
+        cache = step.cache
+        b, hq, d = step.query.shape
+        h = cache.num_kv_heads
+        g = hq // h
+        t = cache.max_seq_len
+        keys = cache.keys().double()
+        q = step.query.reshape(b, h, g, d).double()
+        valid = cache.valid_mask()
+        logits = torch.einsum("bhgd,bhtd->bhgt", q, keys) * step.scaling
+        logits = logits.masked_fill(~valid.view(b, 1, 1, t), float("-inf"))
+        chosen = selection.to_mask(cache.seq_lens, t, h)  # [B, H, T]
+        chosen_q = chosen.unsqueeze(2)
+
+        # Everything in float64 from one set of logits, in log space where it matters (§2.7).
+        lse_all = _logsumexp(logits)
+        lse_drop = _logsumexp(logits.masked_fill(chosen_q, float("-inf")))
+        lse_keep = _logsumexp(logits.masked_fill(~chosen_q, float("-inf")))
+        delta_q = torch.exp(lse_drop - lse_all)  # [B, H, g]
+        tau_q = torch.exp(lse_keep - lse_all)
+        delta = delta_q.mean(-1)  # group mean (GQA)
+        probs = torch.exp(logits - lse_all.unsqueeze(-1))  # 0 past the end
+        group_p = probs.mean(2)  # [B, H, T]
+
+        size = chosen.sum(-1, keepdim=True)  # [B, H, 1]
+        sorted_p, order = torch.sort(group_p, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(t, device=order.device).expand_as(order))
+        star = rank < size  # the same-size oracle set
+        tau_star = torch.where(star, group_p, 0.0).sum(-1)
+        beta = (tau_star - (1 - delta)).clamp_min(0)
+        overlap = (star & chosen).sum(-1).double() / size.squeeze(-1).clamp_min(1).double()
+        # Top-50%-mass part of the oracle set: its smallest prefix holding half its mass.
+        in_star = torch.arange(t, device=order.device).view(1, 1, -1) < size
+        cum = torch.cumsum(torch.where(in_star, sorted_p, 0.0), dim=-1)
+        half = 0.5 * tau_star.unsqueeze(-1)
+        m = (1 + (cum[..., :-1] < half).sum(-1, keepdim=True)).clamp(max=size.clamp_min(1))
+        top = rank < m
+        recall = (top & chosen).sum(-1).double() / top.sum(-1).clamp_min(1).double()
+
+        n = b * h
+        self._decisions += n
+        self._add("delta", delta)
+        self._delta_max = max(self._delta_max, float(delta.max()))
+        self._add("beta", beta)
+        self._add("overlap", overlap)
+        self._add("recall", recall)
+        stats = selection.stats
+        if stats is not None:
+            self._add("retrieved", stats.retrieved.double())
+            self._add("avg_kv", stats.num_selected.double())
+            elem = step.query.element_size()
+            self._step_bytes += float(stats.bytes_read(head_dim=d, element_size=elem).sum())
+            if stats.delta_hat is not None:
+                bad = delta > stats.delta_hat.double() * (1 + self.tolerance) + 1e-12
+                self._violations = (self._violations or 0) + int(bad.sum())
+        else:
+            self._add("avg_kv", size.double())
+        self._step_dense += float(cache.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
+
+        if self._last_layer is None or step.layer <= self._last_layer:
+            self._step_count += b
+        self._last_layer = step.layer
+        self._bytes_total += self._step_bytes
+        self._dense_total += self._step_dense
+        self._step_bytes = self._step_dense = 0.0
+
+        if self.mi:
+            ps = torch.where(chosen_q, probs, 0.0) / tau_q.unsqueeze(-1)
+            self._mi.add(step.layer, probs.reshape(b, hq, t), ps.reshape(b, hq, t),
+                         delta_q.reshape(b, hq))
+
+    def end_sequence(self) -> None:
+        """Close the routing-MI sums of the sequences decoded since the last call."""
+        if self.mi:
+            self._mi_results.append(self._mi.result())
+            self._mi = _MIAccumulator()
+
+    def result(self) -> SelectionMetrics:
+        """The metrics so far (``nan`` where nothing was measured)."""
+        self.end_sequence()
+        n = self._decisions
+        nan = float("nan")
+
+        def mean(name: str) -> float:
+            return self._sums.get(name, 0.0) / n if n else nan
+
+        d_i = [x for x, _ in self._mi_results if x.numel()]
+        b_mi = [y for _, y in self._mi_results if y.numel()]
+        steps = self._step_count
+        return SelectionMetrics(
+            decisions=n,
+            delta_mean=mean("delta"),
+            delta_max=self._delta_max if n else nan,
+            beta_emp=mean("beta"),
+            oracle_overlap=mean("overlap"),
+            top_mass_recall=mean("recall"),
+            retrieval_ratio=100.0 * mean("retrieved") if "retrieved" in self._sums else nan,
+            avg_kv=mean("avg_kv"),
+            bytes_per_step=self._bytes_total / steps if steps else nan,
+            dense_bytes_per_step=self._dense_total / steps if steps else nan,
+            b_mi=float(torch.cat(b_mi).mean()) if b_mi else nan,
+            delta_i_emp=float(torch.cat(d_i).mean()) if d_i else nan,
+            certificate_violations=self._violations,
+        )
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Float64 log-sum-exp over the last dim, ``-inf`` for an all ``-inf`` row (written out:
+    torch's float64 reductions of this kind are far slower on CPU)."""
+    m = x.amax(-1, keepdim=True)
+    safe = torch.where(torch.isfinite(m), m, 0.0)
+    return (torch.log(torch.exp(x - safe).sum(-1)) + safe.squeeze(-1))

@@ -1,0 +1,301 @@
+"""Run selectors on a model and tasks, on identical inputs, and measure them.
+
+For each sample the prompt is prefilled once with the model's own (dense) attention; every
+selector whose prefill is dense then decodes from a copy of that cache, so they all see exactly
+the same prompt state. Selectors that change prefill (PSAW, ETF, CPE) prefill for themselves.
+Decoding is greedy. Every decode step is also measured against dense attention
+(:class:`~prhs_eval.metrics.SelectionMeter`).
+
+Perplexity samples: the first ``context_len − score_tokens`` tokens are prefilled, the last
+``score_tokens`` are teacher-forced one decode step at a time through the selector, and their
+mean negative log-likelihood is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from prhs_core.protocols import PrefillPlanner
+from prhs_core.registry import selectors
+from prhs_eval.integration import PrhsRuntime, attention_spec, enable
+from prhs_eval.metrics import SelectionMeter
+from prhs_eval.models import LoadedModel
+from prhs_eval.results import RunResult, SampleResult
+from prhs_eval.tasks import TASKS, Sample, make_samples, score
+
+__all__ = ["SelectorSpec", "compare", "parse_option_value"]
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """A selector by name with option values; validated (and its config built) on creation."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", dict(self.options))
+        self.build()  # unknown name or bad option: raise now, before any work
+
+    def build(self) -> Any:
+        """A fresh selector instance."""
+        return selectors.create(self.name, **self.options)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The full config, defaults included."""
+        return asdict(self.build().config)
+
+
+def parse_option_value(text: str) -> Any:
+    """``"128"`` -> 128, ``"0.8"`` -> 0.8, ``"none"`` -> None, ``"true"`` -> True, else the text."""
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _changes_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
+    if not isinstance(selector, PrefillPlanner):
+        return False
+    return any(
+        not selector.plan_prefill(layer, num_layers, prompt_len).is_dense
+        for layer in range(num_layers)
+    )
+
+
+@dataclass
+class _Prefill:
+    cache: Any
+    logits: torch.Tensor  # [1, V] of the last prompt position
+    seconds: float
+
+
+class _Session:
+    """One loaded model; prefill and greedy decode with or without a runtime."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tok = loaded.tokenizer
+        self.device = next(self.model.parameters()).device
+        self.eos = set()
+        for tid in (self.tok.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(tid, int):
+                self.eos.add(tid)
+            elif isinstance(tid, list):
+                self.eos.update(int(t) for t in tid)
+
+    def encode(self, text: str) -> torch.Tensor:
+        ids = self.tok(text, return_tensors="pt", add_special_tokens=True).input_ids
+        return ids.to(self.device)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> _Prefill:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return _Prefill(cache, out.logits[:, -1].float(), time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def greedy(self, pre: _Prefill, max_new_tokens: int) -> tuple[str, int, float]:
+        """Greedy completion from a prefilled cache: ``(text, steps, seconds)``."""
+        tokens: list[int] = []
+        logits = pre.logits
+        t0 = time.perf_counter()
+        steps = 0
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax(-1))
+            if nxt in self.eos:
+                break
+            tokens.append(nxt)
+            if len(tokens) == max_new_tokens:
+                break
+            logits = self.step(torch.tensor([nxt], device=self.device), pre.cache)
+            steps += 1
+        return self.tok.decode(tokens, skip_special_tokens=True), steps, time.perf_counter() - t0
+
+    def teacher_forced_nll(self, pre: _Prefill, targets: torch.Tensor) -> tuple[float, float]:
+        """Mean NLL of ``targets`` ``[n]`` decoded one step at a time: ``(nll, seconds)``."""
+        logits = pre.logits
+        total = 0.0
+        t0 = time.perf_counter()
+        for i, tgt in enumerate(targets.tolist()):
+            total -= float(torch.log_softmax(logits, -1)[0, tgt])
+            if i + 1 < len(targets):
+                logits = self.step(targets[i : i + 1], pre.cache)
+        return total / max(1, len(targets)), time.perf_counter() - t0
+
+
+def compare(
+    loaded: LoadedModel,
+    specs: Sequence[SelectorSpec],
+    tasks: Sequence[str],
+    *,
+    context_len: int,
+    num_samples: int,
+    seed: int = 0,
+    score_tokens: int = 64,
+    task_options: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+    measure: bool = True,
+) -> list[RunResult]:
+    """Run every selector of ``specs`` on every task, on identical samples.
+
+    Parameters
+    ----------
+    loaded:
+        The model (:func:`prhs_eval.models.load_model`).
+    specs:
+        Selectors with their options.
+    tasks:
+        Names from :data:`prhs_eval.tasks.TASKS`.
+    context_len, num_samples, seed:
+        Task generation parameters.
+    score_tokens:
+        Perplexity tasks: the number of final tokens scored through decode.
+    task_options:
+        Extra keyword arguments for the task generators (e.g. ``haystack="essays"``).
+    progress:
+        Called with a short message after each (sample, selector).
+    measure:
+        Measure selection metrics against dense attention (slower).
+
+    Returns
+    -------
+    list of RunResult
+        One per (task, selector), in task-major order.
+    """
+    if not specs:
+        raise ValueError("compare needs at least one selector")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
+    if score_tokens < 1:
+        raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
+    session = _Session(loaded)
+    spec_model = attention_spec(loaded.model.config.get_text_config()
+                                if hasattr(loaded.model.config, "get_text_config")
+                                else loaded.model.config)
+    results: list[RunResult] = []
+    for task in tasks:
+        samples = make_samples(task, loaded.tokenizer, context_len=context_len,
+                               num_samples=num_samples, seed=seed, **dict(task_options or {}))
+        results.extend(
+            _run_task(session, spec_model.num_layers, specs, task, samples, context_len, seed,
+                      score_tokens, progress, measure)
+        )
+    return results
+
+
+def _run_task(
+    session: _Session,
+    num_layers: int,
+    specs: Sequence[SelectorSpec],
+    task: str,
+    samples: Iterable[Sample],
+    context_len: int,
+    seed: int,
+    score_tokens: int,
+    progress: ProgressFn | None,
+    measure: bool,
+) -> list[RunResult]:
+    kind = TASKS[task].kind
+    per_spec: list[dict[str, Any]] = [
+        {"samples": [], "meter": SelectionMeter(), "prefill": 0.0, "decode": 0.0, "tokens": 0}
+        for _ in specs
+    ]
+    samples = list(samples)
+    for sample in samples:
+        ids = session.encode(sample.prompt)
+        targets = None
+        if kind == "perplexity":
+            n = min(score_tokens, ids.shape[1] - 1)
+            ids, targets = ids[:, :-n], ids[0, -n:]
+        shared: _Prefill | None = None
+        for spec, acc in zip(specs, per_spec, strict=True):
+            selector = spec.build()
+            own_prefill = _changes_prefill(selector, num_layers, ids.shape[1])
+            if not own_prefill and shared is None:
+                shared = session.prefill(ids)
+            runtime: PrhsRuntime = enable(session.model, selector)
+            meter: SelectionMeter = acc["meter"]
+            if measure:
+                runtime.add_observer(meter)
+            try:
+                if own_prefill:
+                    pre = session.prefill(ids)
+                else:
+                    assert shared is not None
+                    pre = _Prefill(copy.deepcopy(shared.cache), shared.logits, shared.seconds)
+                acc["prefill"] += pre.seconds
+                if targets is None:
+                    text, steps, secs = session.greedy(pre, sample.max_new_tokens)
+                    result = SampleResult(task, sample.index, sample.context_tokens, text,
+                                          sample.answers, score(sample, text))
+                else:
+                    nll, secs = session.teacher_forced_nll(pre, targets)
+                    steps = len(targets) - 1
+                    result = SampleResult(task, sample.index, sample.context_tokens, "",
+                                          (), math.nan, nll, len(targets))
+            finally:
+                runtime.disable()
+                meter.end_sequence()
+            acc["decode"] += secs
+            acc["tokens"] += steps
+            acc["samples"].append(result)
+            if progress is not None:
+                progress(f"{task} #{sample.index} {spec.name}")
+
+    out = []
+    for spec, acc in zip(specs, per_spec, strict=True):
+        done: list[SampleResult] = acc["samples"]
+        if kind == "perplexity":
+            tok = sum(s.scored_tokens for s in done)
+            ppl = math.exp(sum(s.nll * s.scored_tokens for s in done) / tok) if tok else math.nan
+            accuracy = math.nan
+        else:
+            ppl = math.nan
+            accuracy = sum(s.score for s in done) / len(done) if done else math.nan
+        config = spec.config_dict()
+        out.append(
+            RunResult(
+                model=session.loaded.name,
+                selector=spec.name,
+                task=task,
+                options=config,
+                budget=int(config.get("budget", 0)),
+                context_len=context_len,
+                num_samples=len(done),
+                seed=seed,
+                accuracy=accuracy,
+                perplexity=ppl,
+                metrics=acc["meter"].result(),
+                samples=tuple(done),
+                prefill_seconds=acc["prefill"],
+                decode_seconds=acc["decode"],
+                decode_tokens=acc["tokens"],
+            )
+        )
+    return out
