@@ -29,9 +29,16 @@ def _tiny_model(family: str):
     """A randomly initialised 4-layer model of ``family`` (``llama``, ``qwen2``, ``gemma3``)."""
     import transformers as tf
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
@@ -39,11 +46,14 @@ def _tiny_model(family: str):
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
     elif family == "gemma3":
-        cfg = tf.Gemma3TextConfig(**common, sliding_window=8,
-                                  layer_types=["sliding_attention", "full_attention"] * 2)
+        cfg = tf.Gemma3TextConfig(
+            **common, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2
+        )
         cls = tf.Gemma3ForCausalLM
     elif family == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2)).eval()
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2)
+        ).eval()
     else:
         raise ValueError(family)
     torch.manual_seed(0)

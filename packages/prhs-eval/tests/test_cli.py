@@ -59,8 +59,10 @@ BAD_ARGS = {
     "unknown-selector": (["run", "cys"], "unknown selector 'cys'"),
     "budget-zero": (["run", "cis", "--set", "budget=0"], "budget must be >= 1"),
     "bad-option": (["run", "oracle", "--set", "oracle.tau=0.5"], "no option"),
-    "option-nobody-has": (["compare", "--selectors", "dense,oracle", "--set", "tau=0.5"],
-                          "no selector"),
+    "option-nobody-has": (
+        ["compare", "--selectors", "dense,oracle", "--set", "tau=0.5"],
+        "no selector",
+    ),
     "unknown-task": (["compare", "--tasks", "passkey,gsm9k"], "unknown task"),
     "unknown-model": (["run", "dense", "--model", "no-such-model"], "unknown model"),
     "set-syntax": (["run", "cis", "--set", "budget"], "KEY=VALUE"),
@@ -93,9 +95,26 @@ def test_compare_end_to_end_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
     cache_root = Path(smollm2.source_path).parent
     monkeypatch.setenv("PRHS_CACHE_DIR", str(cache_root))
     out = tmp_path / "res"
-    code = main(["compare", "--selectors", "dense,oracle,streaming", "--tasks", "passkey",
-                 "--context-len", "300", "--samples", "1", "--set", "budget=16",
-                 "--set", "oracle.block_size=1", "--out", str(out), "--quiet"])
+    code = main(
+        [
+            "compare",
+            "--selectors",
+            "dense,oracle,streaming",
+            "--tasks",
+            "passkey",
+            "--context-len",
+            "300",
+            "--samples",
+            "1",
+            "--set",
+            "budget=16",
+            "--set",
+            "oracle.block_size=1",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     for name in ("dense", "oracle", "streaming"):

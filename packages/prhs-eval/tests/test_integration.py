@@ -69,8 +69,9 @@ def test_sparse_selection_changes_attention_and_metrics_see_it(make_tiny, family
 def test_certified_cis_certificate_holds_on_every_step_of_a_batched_run(make_tiny):
     model = make_tiny("llama")
     batch = _batch(128, [90, 70])
-    runtime = prhs_eval.enable(model, "cis", budget=8, block_size=2, n_local=8, delta_max=0.5,
-                               require_cosine=False)
+    runtime = prhs_eval.enable(
+        model, "cis", budget=8, block_size=2, n_local=8, delta_max=0.5, require_cosine=False
+    )
     meter = SelectionMeter()
     runtime.add_observer(meter)
     try:
@@ -96,8 +97,12 @@ def test_state_lives_on_the_cache_and_restarts_with_a_new_prefill(make_tiny):
         assert pool is not None and pool.active_slots == (0, 1)
         assert pool.length(0) == 30
         with torch.no_grad():
-            model(input_ids=torch.tensor([[5], [6]]), past_key_values=cache, use_cache=True,
-                  attention_mask=torch.ones(2, 31, dtype=torch.long))
+            model(
+                input_ids=torch.tensor([[5], [6]]),
+                past_key_values=cache,
+                use_cache=True,
+                attention_mask=torch.ones(2, 31, dtype=torch.long),
+            )
         assert pool.length(0) == 31
         other = DynamicCache(config=model.config)
         with torch.no_grad():
@@ -136,10 +141,12 @@ def test_etf_freezes_the_planned_prefix(make_tiny):
     def capture(i):
         def hook(module, args, kwargs, output):
             seen[i] = (args[0] if args else kwargs["hidden_states"], output)
+
         return hook
 
-    handles = [layer.register_forward_hook(capture(i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
+    handles = [
+        layer.register_forward_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
+    ]
     try:
         batch = _batch(128, [24, 16])
         with torch.no_grad():
@@ -182,8 +189,7 @@ def test_bad_input_is_rejected_before_the_model_changes(make_tiny):
 @pytest.mark.slow
 def test_smollm2_oracle_full_budget_matches_dense_token_for_token(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
-    prompts = ["The capital of France is", "List three colours: red,",
-               "def fibonacci(n):\n    "]
+    prompts = ["The capital of France is", "List three colours: red,", "def fibonacci(n):\n    "]
     batch = tok(prompts, return_tensors="pt", padding=True)
     dense = _generate(model, batch, n=12)
     runtime = prhs_eval.enable(model, "oracle", budget=100_000, block_size=1)
@@ -213,3 +219,22 @@ def test_smollm2_certified_cis_delta_hat_bounds_true_delta_every_step(smollm2):
     assert m.certificate_violations == 0
     # On SmolLM2 consecutive queries move logits by ε ≈ 15-35, so the certificate rarely if
     # ever allows reuse here; reuse under the certificate is exercised in test_cis.py.
+
+
+def test_loading_with_attn_implementation_prhs_then_enabling(make_tiny):
+    from prhs_eval.integration import register_attention
+
+    register_attention()
+    model = make_tiny("qwen2")
+    model.set_attn_implementation("prhs")  # as from_pretrained(..., attn_implementation="prhs")
+    batch = _batch(128, [12, 9])
+    with pytest.raises(RuntimeError, match="prhs_eval.enable"):
+        _generate(model, batch, n=2)
+    model.set_attn_implementation("sdpa")
+    dense = _generate(model, batch, n=3)
+    model.set_attn_implementation("prhs")
+    runtime = prhs_eval.enable(model, "dense")
+    try:
+        assert torch.equal(_generate(model, batch, n=3), dense)
+    finally:
+        runtime.disable()

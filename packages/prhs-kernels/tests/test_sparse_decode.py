@@ -23,8 +23,11 @@ def _case(b, t, hq, hkv, d, seed=0):
     return q, k, v, lens
 
 
-@pytest.mark.parametrize(("b", "t", "hq", "hkv", "d"), CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-Hq{c[2]}-Hkv{c[3]}-D{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("b", "t", "hq", "hkv", "d"),
+    CASES,
+    ids=[f"B{c[0]}-T{c[1]}-Hq{c[2]}-Hkv{c[3]}-D{c[4]}" for c in CASES],
+)
 def test_dense_selection_matches_sdpa(b, t, hq, hkv, d):
     q, k, v, lens = _case(b, t, hq, hkv, d)
     cache = ContiguousKVCache(k, v, lens)
@@ -43,8 +46,11 @@ def test_dense_selection_matches_sdpa(b, t, hq, hkv, d):
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
-@pytest.mark.parametrize(("b", "t", "hq", "hkv", "d"), CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-Hq{c[2]}-Hkv{c[3]}-D{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("b", "t", "hq", "hkv", "d"),
+    CASES,
+    ids=[f"B{c[0]}-T{c[1]}-Hq{c[2]}-Hkv{c[3]}-D{c[4]}" for c in CASES],
+)
 def test_sparse_selection_matches_theory_on_both_layouts(b, t, hq, hkv, d, block_size):
     q, k, v, lens = _case(b, t, hq, hkv, d, seed=1)
     nb = -(-t // block_size)

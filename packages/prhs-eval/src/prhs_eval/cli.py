@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from prhs_core.registry import Registry, UnknownSelectorError, selectors
-
 from prhs_eval import __version__
 
 __all__ = ["DEFAULT_COMPARE", "DEFAULT_TASKS", "build_parser", "main"]
@@ -71,24 +70,56 @@ def _positive_int(text: str) -> int:
 def _add_common(p: argparse.ArgumentParser) -> None:
     from prhs_eval.models import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"embedded model name, local directory or hub id (default {DEFAULT_MODEL})")
-    p.add_argument("--tasks", type=_csv, default=list(DEFAULT_TASKS),
-                   help=f"comma-separated task names (default {','.join(DEFAULT_TASKS)})")
-    p.add_argument("--context-len", type=_positive_int, default=DEFAULT_CONTEXT,
-                   help=f"prompt length in tokens (default {DEFAULT_CONTEXT})")
-    p.add_argument("--samples", type=_positive_int, default=DEFAULT_SAMPLES,
-                   help=f"samples per task (default {DEFAULT_SAMPLES})")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"embedded model name, local directory or hub id (default {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--tasks",
+        type=_csv,
+        default=list(DEFAULT_TASKS),
+        help=f"comma-separated task names (default {','.join(DEFAULT_TASKS)})",
+    )
+    p.add_argument(
+        "--context-len",
+        type=_positive_int,
+        default=DEFAULT_CONTEXT,
+        help=f"prompt length in tokens (default {DEFAULT_CONTEXT})",
+    )
+    p.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=DEFAULT_SAMPLES,
+        help=f"samples per task (default {DEFAULT_SAMPLES})",
+    )
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
-    p.add_argument("--haystack", choices=("repeat", "essays"), default=None,
-                   help="NIAH/variable-tracking haystack (default: the task's)")
-    p.add_argument("--set", dest="options", action="append", default=[], metavar="[SEL.]KEY=VALUE",
-                   help="selector option, e.g. budget=128 (every selector that has it) or "
-                        "cis.tau=0.9 (one selector); repeatable")
-    p.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
-                   help=f"directory for results.jsonl/.csv/.png (default {DEFAULT_OUT})")
-    p.add_argument("--no-measure", action="store_true",
-                   help="skip measuring δ, β, overlap and MI against dense attention (faster)")
+    p.add_argument(
+        "--haystack",
+        choices=("repeat", "essays"),
+        default=None,
+        help="NIAH/variable-tracking haystack (default: the task's)",
+    )
+    p.add_argument(
+        "--set",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="[SEL.]KEY=VALUE",
+        help="selector option, e.g. budget=128 (every selector that has it) or "
+        "cis.tau=0.9 (one selector); repeatable",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"directory for results.jsonl/.csv/.png (default {DEFAULT_OUT})",
+    )
+    p.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip measuring δ, β, overlap and MI against dense attention (faster)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -105,10 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("selector", help="a registered selector name (see `prhs-eval selectors`)")
     _add_common(run)
     cmp_ = sub.add_parser("compare", help="evaluate several selectors on identical inputs")
-    cmp_.add_argument("--selectors", type=_csv, default=list(DEFAULT_COMPARE),
-                      help=f"comma-separated names (default {','.join(DEFAULT_COMPARE)})")
-    cmp_.add_argument("--budgets", type=lambda s: [_positive_int(x) for x in _csv(s)],
-                      default=None, help="sweep these budgets (k) for every selector but dense")
+    cmp_.add_argument(
+        "--selectors",
+        type=_csv,
+        default=list(DEFAULT_COMPARE),
+        help=f"comma-separated names (default {','.join(DEFAULT_COMPARE)})",
+    )
+    cmp_.add_argument(
+        "--budgets",
+        type=lambda s: [_positive_int(x) for x in _csv(s)],
+        default=None,
+        help="sweep these budgets (k) for every selector but dense",
+    )
     _add_common(cmp_)
     return parser
 
@@ -118,9 +157,7 @@ def _fields(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(config)} if config is not None else set()
 
 
-def _parse_options(
-    items: Sequence[str], names: Sequence[str]
-) -> dict[str, dict[str, Any]]:
+def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, Any]]:
     from prhs_eval.runner import parse_option_value
 
     per: dict[str, dict[str, Any]] = {n: {} for n in names}
@@ -132,7 +169,9 @@ def _parse_options(
         if "." in key:
             sel, field = key.split(".", 1)
             if sel not in per:
-                raise UsageError(f"--set {item!r}: {sel!r} is not among the selectors {list(names)}")
+                raise UsageError(
+                    f"--set {item!r}: {sel!r} is not among the selectors {list(names)}"
+                )
             targets = [sel]
         else:
             field = key
@@ -193,14 +232,24 @@ def _evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
 
     task_options = {"haystack": args.haystack} if args.haystack else {}
     try:
-        results = compare(loaded, specs, args.tasks, context_len=args.context_len,
-                          num_samples=args.samples, seed=args.seed, task_options=task_options,
-                          progress=progress, measure=not args.no_measure)
+        results = compare(
+            loaded,
+            specs,
+            args.tasks,
+            context_len=args.context_len,
+            num_samples=args.samples,
+            seed=args.seed,
+            task_options=task_options,
+            progress=progress,
+            measure=not args.no_measure,
+        )
     finally:
         bar.close()
-    sys.stdout.write(f"model {loaded.name} · context {args.context_len} tokens · "
-                     f"{args.samples} sample(s)/task · seed {args.seed} · "
-                     f"{time.perf_counter() - t0:.0f} s\n\n")
+    sys.stdout.write(
+        f"model {loaded.name} · context {args.context_len} tokens · "
+        f"{args.samples} sample(s)/task · seed {args.seed} · "
+        f"{time.perf_counter() - t0:.0f} s\n\n"
+    )
     sys.stdout.write(format_table(results) + "\n")
     paths = write_all(results, args.out)
     sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in paths.values()) + "\n")

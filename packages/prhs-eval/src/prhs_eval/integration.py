@@ -49,6 +49,7 @@ __all__ = [
     "UnsupportedModelError",
     "attention_spec",
     "enable",
+    "register_attention",
 ]
 
 ATTN_IMPLEMENTATION = "prhs"
@@ -113,7 +114,11 @@ def _prhs_attention(
     return runtime.attend(module, query, key, value, attention_mask, scaling, kwargs)
 
 
-def _register_interfaces() -> None:
+def register_attention() -> None:
+    """Register ``"prhs"`` with transformers' ``AttentionInterface`` and
+    ``AttentionMaskInterface`` (idempotent). :func:`enable` calls it; call it yourself to load a
+    model with ``attn_implementation="prhs"`` before enabling a selector on it.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -121,8 +126,9 @@ def _register_interfaces() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _prhs_mask)
 
 
-def _row_bounds(mask: torch.Tensor | None, batch: int, length: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_bounds(
+    mask: torch.Tensor | None, batch: int, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(start [B], lens [B])`` of left-padded rows from a ``[B, T]`` validity mask."""
     if mask is None:
         lens = torch.full((batch,), length, dtype=torch.long, device=device)
@@ -180,9 +186,7 @@ class PrhsRuntime:
                 layer.register_forward_pre_hook(self._layer_pre_hook, with_kwargs=True)
             )
             if self._planner is not None:
-                self._handles.append(
-                    layer.register_forward_hook(self._etf_hook, with_kwargs=True)
-                )
+                self._handles.append(layer.register_forward_hook(self._etf_hook, with_kwargs=True))
             layer.self_attn._prhs_runtime = self
         self._previous_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -211,8 +215,9 @@ class PrhsRuntime:
         """The selector state stored on ``cache`` (``None`` before its first prefill)."""
         return getattr(cache, _POOL_ATTR, None) if cache is not None else None
 
-    def _new_state(self, cache: Any, batch: int, lens: torch.Tensor, device: torch.device
-                   ) -> SequenceStatePool:
+    def _new_state(
+        self, cache: Any, batch: int, lens: torch.Tensor, device: torch.device
+    ) -> SequenceStatePool:
         pool = self.selector.init_state(self.spec, batch, self.max_seq_len, device)
         pool.create(list(range(batch)), lens)
         if cache is not None:
@@ -266,8 +271,9 @@ class PrhsRuntime:
         b, _, tq, _ = query.shape
         tk = key.shape[2]
         if layer not in self._selectable:
-            return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                          scaling=scale, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scale, **kwargs
+            )
         last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
         if tq > 1:
             if layer == self._first_layer and self._fresh_prefill:
@@ -361,7 +367,7 @@ def enable(
         raise RuntimeError("prhs is already enabled on this model; call runtime.disable() first")
     if max_seq_len is None:
         max_seq_len = int(getattr(config, "max_position_embeddings", 0) or 32768)
-    _register_interfaces()
+    register_attention()
     runtime = PrhsRuntime(model, sel, max_seq_len)
     runtime._install()
     model._prhs_runtime = runtime

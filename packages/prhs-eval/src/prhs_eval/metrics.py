@@ -205,7 +205,9 @@ class SelectionMeter:
                 self._violations = (self._violations or 0) + int(bad.sum())
         else:
             self._add("avg_kv", size.double())
-        self._step_dense += float(cache.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
+        self._step_dense += (
+            float(cache.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
+        )
 
         if self._last_layer is None or step.layer <= self._last_layer:
             self._step_count += b
@@ -216,8 +218,9 @@ class SelectionMeter:
 
         if self.mi:
             ps = torch.where(chosen_q, probs, 0.0) / tau_q.unsqueeze(-1)
-            self._mi.add(step.layer, probs.reshape(b, hq, t), ps.reshape(b, hq, t),
-                         delta_q.reshape(b, hq))
+            self._mi.add(
+                step.layer, probs.reshape(b, hq, t), ps.reshape(b, hq, t), delta_q.reshape(b, hq)
+            )
 
     def end_sequence(self) -> None:
         """Close the routing-MI sums of the sequences decoded since the last call."""
@@ -259,4 +262,4 @@ def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     torch's float64 reductions of this kind are far slower on CPU)."""
     m = x.amax(-1, keepdim=True)
     safe = torch.where(torch.isfinite(m), m, 0.0)
-    return (torch.log(torch.exp(x - safe).sum(-1)) + safe.squeeze(-1))
+    return torch.log(torch.exp(x - safe).sum(-1)) + safe.squeeze(-1)

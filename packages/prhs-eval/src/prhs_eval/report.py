@@ -426,6 +426,7 @@ def plot(results: Sequence[RunResult], path: PathLike) -> Path:
 
     for ax, (attr, ylabel) in zip(axes, panels, strict=True):
         deltas: list[float] = []
+        dense_tasks: dict[float, list[str]] = {}
         for task, runs in groups.items():
             if attr != "delta" and _task_metric(runs) != attr:
                 continue
@@ -453,18 +454,21 @@ def plot(results: Sequence[RunResult], path: PathLike) -> Path:
             if attr != "delta" and dense:
                 y = sum(dense) / len(dense)
                 ax.axhline(y, color="black", linestyle="--", linewidth=1.2, alpha=0.8, zorder=1)
-                if multi_task:
-                    ax.annotate(
-                        f"dense: {task}",
-                        xy=(0.01, y),
-                        xycoords=("axes fraction", "data"),
-                        xytext=(0, 2),
-                        textcoords="offset points",
-                        fontsize=7,
-                        color="0.25",
-                        va="bottom",
-                        ha="left",
-                    )
+                dense_tasks.setdefault(round(y, 9), []).append(task)
+        if multi_task:
+            # One label per reference line: tasks whose dense values coincide share it.
+            for y, names in dense_tasks.items():
+                ax.annotate(
+                    f"dense: {', '.join(names)}",
+                    xy=(0.01, y),
+                    xycoords=("axes fraction", "data"),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color="0.25",
+                    va="bottom",
+                    ha="left",
+                )
         if attr == "delta":
             if deltas and all(d > 0 for d in deltas):
                 ax.set_yscale("log")

@@ -95,7 +95,10 @@ class _Session:
         self.tok = loaded.tokenizer
         self.device = next(self.model.parameters()).device
         self.eos = set()
-        for tid in (self.tok.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        for tid in (
+            self.tok.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
             if isinstance(tid, int):
                 self.eos.add(tid)
             elif isinstance(tid, list):
@@ -195,16 +198,34 @@ def compare(
     if score_tokens < 1:
         raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
     session = _Session(loaded)
-    spec_model = attention_spec(loaded.model.config.get_text_config()
-                                if hasattr(loaded.model.config, "get_text_config")
-                                else loaded.model.config)
+    spec_model = attention_spec(
+        loaded.model.config.get_text_config()
+        if hasattr(loaded.model.config, "get_text_config")
+        else loaded.model.config
+    )
     results: list[RunResult] = []
     for task in tasks:
-        samples = make_samples(task, loaded.tokenizer, context_len=context_len,
-                               num_samples=num_samples, seed=seed, **dict(task_options or {}))
+        samples = make_samples(
+            task,
+            loaded.tokenizer,
+            context_len=context_len,
+            num_samples=num_samples,
+            seed=seed,
+            **dict(task_options or {}),
+        )
         results.extend(
-            _run_task(session, spec_model.num_layers, specs, task, samples, context_len, seed,
-                      score_tokens, progress, measure)
+            _run_task(
+                session,
+                spec_model.num_layers,
+                specs,
+                task,
+                samples,
+                context_len,
+                seed,
+                score_tokens,
+                progress,
+                measure,
+            )
         )
     return results
 
@@ -252,13 +273,27 @@ def _run_task(
                 acc["prefill"] += pre.seconds
                 if targets is None:
                     text, steps, secs = session.greedy(pre, sample.max_new_tokens)
-                    result = SampleResult(task, sample.index, sample.context_tokens, text,
-                                          sample.answers, score(sample, text))
+                    result = SampleResult(
+                        task,
+                        sample.index,
+                        sample.context_tokens,
+                        text,
+                        sample.answers,
+                        score(sample, text),
+                    )
                 else:
                     nll, secs = session.teacher_forced_nll(pre, targets)
                     steps = len(targets) - 1
-                    result = SampleResult(task, sample.index, sample.context_tokens, "",
-                                          (), math.nan, nll, len(targets))
+                    result = SampleResult(
+                        task,
+                        sample.index,
+                        sample.context_tokens,
+                        "",
+                        (),
+                        math.nan,
+                        nll,
+                        len(targets),
+                    )
             finally:
                 runtime.disable()
                 meter.end_sequence()

@@ -87,7 +87,7 @@ def exact_logits64(step: DecodeStep) -> torch.Tensor:
 
 
 def window_mask(seq_lens: torch.Tensor, max_len: int, n_sink: int, n_local: int) -> torch.Tensor:
-    """``[B, max_len]`` bool: the first ``n_sink`` and the last ``n_local`` positions of each row."""
+    """``[B, max_len]`` bool: each row's first ``n_sink`` and last ``n_local`` positions."""
     t = torch.arange(max_len, device=seq_lens.device).view(1, -1)
     lens = seq_lens.view(-1, 1)
     return ((t < n_sink) | (t >= lens - n_local)) & (t < lens)
@@ -138,7 +138,7 @@ def make_selection(
     """A :class:`Selection` (with stats) from a ``[B, Hkv, n]`` mask of positions or blocks."""
     base = Selection.from_mask(mask)
     sel = Selection(base.indices, block_size)
-    b, hkv, n = mask.shape
+    _, hkv, n = mask.shape
     t = n * block_size
     num = sel.to_mask(seq_lens, t, hkv).sum(-1)
     stats = StepStats(retrieved, num, delta_hat, proxy_bytes)

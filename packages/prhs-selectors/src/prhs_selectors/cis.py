@@ -104,7 +104,9 @@ class CISConfig(SelectorConfig):
             raise TypeError("require_cosine must be a bool")
         if self.delta_max is None:
             if not self.require_cosine:
-                raise ValueError("require_cosine=False needs delta_max: there would be no reuse rule")
+                raise ValueError(
+                    "require_cosine=False needs delta_max: there would be no reuse rule"
+                )
             if self.delta_target is not None or self.k_max is not None:
                 raise ValueError("delta_target and k_max apply to certified mode: set delta_max")
             return
@@ -115,7 +117,8 @@ class CISConfig(SelectorConfig):
             check_probability("delta_target", self.delta_target)
             if not 0.0 <= self.delta_target <= self.delta_max:
                 raise ValueError(
-                    f"delta_target ({self.delta_target}) must lie in [0, delta_max={self.delta_max}]"
+                    f"delta_target ({self.delta_target}) must lie in "
+                    f"[0, delta_max={self.delta_max}]"
                 )
         if self.k_max is not None:
             check_int("k_max", self.k_max, minimum=self.budget)
@@ -165,7 +168,9 @@ def group_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Te
     return torch.logsumexp(per_head, dim=-1) - math.log(per_head.shape[-1])
 
 
-@selectors.register("cis", config=CISConfig, summary="PrHS time axis: reuse an anchor's critical set")
+@selectors.register(
+    "cis", config=CISConfig, summary="PrHS time axis: reuse an anchor's critical set"
+)
 class CIS(BaseSelector):
     """Critical-Index Sharing (Gao et al., "Near-Oracle KV Selection via Pre-hoc Sparsity for
     Long-Context Inference", arXiv:2602.08329), in paper or certified mode; see the module
@@ -228,7 +233,9 @@ class CIS(BaseSelector):
         need = need.clamp(max=cap).squeeze(-1)
         rank_order = torch.sort(cand, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(rank_order)
-        rank.scatter_(-1, rank_order, torch.arange(cand.shape[-1], device=cand.device).expand_as(rank))
+        rank.scatter_(
+            -1, rank_order, torch.arange(cand.shape[-1], device=cand.device).expand_as(rank)
+        )
         return (rank < need.unsqueeze(-1)) & valid_b & ~sink_b
 
     def _to_tokens(self, blocks: torch.Tensor, t: int) -> torch.Tensor:
@@ -287,7 +294,9 @@ class CIS(BaseSelector):
             chosen = torch.where(retrieve.unsqueeze(-1), fresh, chosen)
             sink_b = block_any(self._sink_tokens(b, h, t_max, dev), s)
             new_score = block_max(scores.probs, s)
-            anchor_keep = self._to_tokens(self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max)
+            anchor_keep = self._to_tokens(
+                self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max
+            )
             if c.certified:
                 # δ_a and a retrieval's own δ are what the bound rests on: float64 logits.
                 logits64 = exact_logits64(step)
@@ -301,9 +310,23 @@ class CIS(BaseSelector):
                 log_d_anchor = torch.zeros(b, h, dtype=torch.float64, device=dev)
             kmax_all = scores.key_norms.amax(-1)
             self._write_anchor(
-                state, layer, slots, retrieve, q, seq_lens.expand(b, h), new_set,
-                new_score, log_d_anchor, kmax_all, qa, ta, a_set, a_score,
-                a_logd, a_kmax, nb,
+                state,
+                layer,
+                slots,
+                retrieve,
+                q,
+                seq_lens.expand(b, h),
+                new_set,
+                new_score,
+                log_d_anchor,
+                kmax_all,
+                qa,
+                ta,
+                a_set,
+                a_score,
+                a_logd,
+                a_kmax,
+                nb,
             )
             proxy = torch.where(retrieve, self.retrieval_bytes(step).expand(b, h), proxy)
 

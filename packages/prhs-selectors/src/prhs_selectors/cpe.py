@@ -61,11 +61,14 @@ class CPE(CIS):
         start = resolve_start_layer(c.start_layer, num_layers)
         lo = None
         if c.use_psaw and layer > start:
-            lo = psaw_window_start(layer, num_layers, prompt_len, phi=c.phi, alpha=c.alpha,
-                                   start=start)
+            lo = psaw_window_start(
+                layer, num_layers, prompt_len, phi=c.phi, alpha=c.alpha, start=start
+            )
         e = 0
         if c.use_etf:
-            e = etf_frozen_prefix(layer, num_layers, prompt_len, psi=c.psi, gamma=c.gamma,
-                                  start=start)
-        return PrefillLayerPlan(layer, prompt_len, n_sink=c.n_sink, window_start=lo,
-                                frozen_prefix=e)
+            e = etf_frozen_prefix(
+                layer, num_layers, prompt_len, psi=c.psi, gamma=c.gamma, start=start
+            )
+        return PrefillLayerPlan(
+            layer, prompt_len, n_sink=c.n_sink, window_start=lo, frozen_prefix=e
+        )

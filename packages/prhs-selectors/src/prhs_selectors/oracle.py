@@ -14,7 +14,9 @@ from prhs_selectors.base import BaseSelector, exact_group_scores, make_selection
 __all__ = ["Oracle"]
 
 
-@selectors.register("oracle", config=SelectorConfig, summary="exact top-k of every step (upper bound)")
+@selectors.register(
+    "oracle", config=SelectorConfig, summary="exact top-k of every step (upper bound)"
+)
 class Oracle(BaseSelector):
     """Oracle top-k: score every cached key exactly at every step and keep the ``k`` positions
     of largest group-mean probability (``k/s`` blocks by their max when ``s > 1``), plus the

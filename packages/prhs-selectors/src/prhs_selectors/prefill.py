@@ -123,7 +123,9 @@ class ETFConfig(SelectorConfig):
             check_int("start_layer", self.start_layer, minimum=0)
 
 
-@selectors.register("psaw", config=PSAWConfig, summary="PrHS depth axis: progressive prefill window")
+@selectors.register(
+    "psaw", config=PSAWConfig, summary="PrHS depth axis: progressive prefill window"
+)
 class PSAW(Dense):
     """Progressive Sliding Attention Window (Gao et al., arXiv:2602.08329): a per-row prefill
     window that narrows with depth. Decode is dense."""
