@@ -228,7 +228,7 @@ def test_loading_with_attn_implementation_prhs_then_enabling(make_tiny):
     model = make_tiny("qwen2")
     model.set_attn_implementation("prhs")  # as from_pretrained(..., attn_implementation="prhs")
     batch = _batch(128, [12, 9])
-    with pytest.raises(RuntimeError, match="prhs_eval.enable"):
+    with pytest.raises(RuntimeError, match=r"prhs_eval\.enable"):
         _generate(model, batch, n=2)
     model.set_attn_implementation("sdpa")
     dense = _generate(model, batch, n=3)
