@@ -172,16 +172,16 @@ def test_registry_lists_every_task_with_its_defaults():
         "niah_multikey",
         "niah_multivalue",
         "variable_tracking",
-        "perplexity_text",
+        "perplexity",
     }
     for name, spec in TASKS.items():
         assert spec.name == name and spec.description
-        assert spec.kind == ("perplexity" if name == "perplexity_text" else "generation")
+        assert spec.kind == ("perplexity" if name == "perplexity" else "generation")
     for name in GENERATION_TASKS:
         (s,) = make_samples(name, WS, context_len=300, num_samples=1, seed=0)
         assert s.task == name
         assert s.max_new_tokens == TASKS[name].max_new_tokens > 0
-    assert TASKS["perplexity_text"].max_new_tokens == 0
+    assert TASKS["perplexity"].max_new_tokens == 0
 
 
 def test_make_samples_rejects_unknown_tasks_and_arguments():
@@ -419,7 +419,7 @@ def test_kjv_windows_are_exact_and_disjoint(smol, length):
     samples = tasks.perplexity_text(smol, context_len=length, num_samples=4, seed=0)
     assert len(samples) == 4
     for s in samples:
-        assert s.answers == () and s.max_new_tokens == 0 and s.task == "perplexity_text"
+        assert s.answers == () and s.max_new_tokens == 0 and s.task == "perplexity"
         assert len(smol.encode(s.prompt, add_special_tokens=False)) == length
         assert s.context_tokens == s.meta["num_tokens"] == length
         assert s.prompt == text[s.meta["char_start"] : s.meta["char_end"]]  # type: ignore[misc]
@@ -441,9 +441,7 @@ def _write_text(tmp_path, words: int = 6000):
 
 def test_text_file_windows_with_whitespace_tokenizer(tmp_path):
     path = _write_text(tmp_path)
-    samples = make_samples(
-        "perplexity_text", WS, context_len=500, num_samples=6, seed=4, source=path
-    )
+    samples = make_samples("perplexity", WS, context_len=500, num_samples=6, seed=4, source=path)
     assert {s.index for s in samples} == set(range(6))
     for s in samples:
         assert count_tokens(WS, s.prompt) == 500

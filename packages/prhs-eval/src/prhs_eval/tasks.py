@@ -1212,7 +1212,7 @@ def perplexity_text(
             "char_end": end,
             "num_tokens": context_len,
         }
-        samples.append(Sample("perplexity_text", i, text[start:end], (), context_len, 0, meta))
+        samples.append(Sample("perplexity", i, text[start:end], (), context_len, 0, meta))
     return samples
 
 
@@ -1249,7 +1249,7 @@ TASKS: dict[str, TaskSpec] = {
             32,
         ),
         TaskSpec(
-            "perplexity_text",
+            "perplexity",
             perplexity_text,
             "windows of exactly context_len tokens of the KJV Bible or a text file",
             "perplexity",
