@@ -16,6 +16,7 @@ import pytest
 import prhs_core
 
 ROOT = Path(__file__).resolve().parents[3]
+NO_INDEX = ("Failed to fetch", "dns error", "error sending request", "Could not connect")
 HEAVY = ("triton", "numba", "sglang", "transformers", "prhs_kernels", "prhs_selectors")
 
 CHECK = """
@@ -86,23 +87,15 @@ def test_prhs_core_wheel_installs_and_imports_alone(tmp_path):
     )
     overrides = tmp_path / "overrides.txt"
     overrides.write_text("triton; sys_platform == 'never'\n")
-    subprocess.run(
-        [
-            uv,
-            "pip",
-            "install",
-            "--quiet",
-            "--python",
-            str(py),
-            str(wheel),
-            "--constraint",
-            str(pins),
-            "--override",
-            str(overrides),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    install = subprocess.run(
+        [uv, "pip", "install", "--quiet", "--python", str(py), str(wheel),
+         "--constraint", str(pins), "--override", str(overrides)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if install.returncode != 0 and any(m in install.stderr for m in NO_INDEX):
+        # e.g. the GPU machine, which reaches no package index and has no uv cache
+        pytest.skip(f"no package index reachable to install torch: {install.stderr[-200:]}")
+    assert install.returncode == 0, install.stderr
     out = subprocess.run([str(py), "-c", CHECK.format(heavy=HEAVY)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == prhs_core.__version__
