@@ -68,6 +68,15 @@ BAD_ARGS = {
     "set-syntax": (["run", "cis", "--set", "budget"], "KEY=VALUE"),
     "budgets": (["compare", "--budgets", "32,-1"], "positive integer"),
     "context": (["run", "cis", "--context-len", "0"], "positive integer"),
+    "text-missing": (
+        ["run", "cis", "--tasks", "perplexity", "--text", "/no/such.txt"],
+        "is not a file",
+    ),
+    "text-without-perplexity": (["run", "cis", "--text", __file__], "perplexity task"),
+    "haystack-for-perplexity": (
+        ["run", "cis", "--tasks", "perplexity", "--haystack", "essays"],
+        "--haystack is for",
+    ),
 }
 
 

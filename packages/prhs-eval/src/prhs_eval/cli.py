@@ -101,6 +101,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="NIAH/variable-tracking haystack (default: the task's)",
     )
     p.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="perplexity: a UTF-8 text file to score instead of the KJV Bible",
+    )
+    p.add_argument(
         "--set",
         dest="options",
         action="append",
@@ -211,6 +218,12 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
         raise UsageError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
     if not args.tasks:
         raise UsageError("no tasks given")
+    if args.text is not None and not args.text.is_file():
+        raise UsageError(f"--text {str(args.text)!r} is not a file")
+    if args.text is not None and "perplexity" not in args.tasks:
+        raise UsageError("--text is for the perplexity task; add it to --tasks")
+    if args.haystack and set(args.tasks) <= {"perplexity"}:
+        raise UsageError("--haystack is for the passkey, NIAH and variable-tracking tasks")
     check_model_name(args.model)
 
 
@@ -230,7 +243,11 @@ def _evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
         bar.set_postfix_str(msg, refresh=False)
         bar.update(1)
 
-    task_options = {"haystack": args.haystack} if args.haystack else {}
+    task_options: dict[str, Any] = {}
+    if args.haystack:
+        task_options["haystack"] = args.haystack
+    if args.text is not None:
+        task_options["source"] = str(args.text)
     try:
         results = compare(
             loaded,

@@ -14,6 +14,7 @@ mean negative log-likelihood is reported.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -68,6 +69,10 @@ def parse_option_value(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+def _task_parameters(task: str) -> set[str]:
+    return set(inspect.signature(TASKS[task].generator).parameters)
 
 
 def _changes_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
@@ -179,7 +184,8 @@ def compare(
     score_tokens:
         Perplexity tasks: the number of final tokens scored through decode.
     task_options:
-        Extra keyword arguments for the task generators (e.g. ``haystack="essays"``).
+        Extra keyword arguments for the task generators (``haystack="essays"``,
+        ``source="path/to/text.txt"``); each goes to the tasks that take it.
     progress:
         Called with a short message after each (sample, selector).
     measure:
@@ -203,15 +209,20 @@ def compare(
         if hasattr(loaded.model.config, "get_text_config")
         else loaded.model.config
     )
+    options = dict(task_options or {})
+    unused = set(options) - {p for t in tasks for p in _task_parameters(t)}
+    if unused:
+        raise ValueError(f"no task among {list(tasks)} takes the option(s) {sorted(unused)}")
     results: list[RunResult] = []
     for task in tasks:
+        own = {k: v for k, v in options.items() if k in _task_parameters(task)}
         samples = make_samples(
             task,
             loaded.tokenizer,
             context_len=context_len,
             num_samples=num_samples,
             seed=seed,
-            **dict(task_options or {}),
+            **own,
         )
         results.extend(
             _run_task(
