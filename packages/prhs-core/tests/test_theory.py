@@ -561,3 +561,9 @@ def test_all_selected_and_t_equal_one():
     assert th.mi_loss_bound(torch.zeros(1, 3, dtype=F64), 1).tolist() == [0.0]
     assert th.oracle_overlap(logits, sel, 1).item() == 1.0
     assert th.top_mass_recall(logits, sel, 1).item() == 1.0
+
+
+def test_ranks_from_order_inverts_a_descending_sort():
+    scores = torch.tensor([[0.3, 2.0, -1.0, 2.0]], dtype=F64)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    assert th.ranks_from_order(order).tolist() == [[2, 0, 3, 1]]

@@ -121,7 +121,7 @@ def test_psaw_prefill_mask_follows_the_plan_per_left_padded_row(make_tiny):
         start = torch.tensor([0, 7])
         valid = torch.arange(t).view(1, -1) >= start.view(-1, 1)
         base = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t) & valid.view(2, 1, 1, t)
-        mask = runtime._prefill_mask(3, base, 2, t, torch.device("cpu"))
+        mask = runtime._prefill_mask(3, base, start, t)
         for b, n in enumerate(lengths):
             plan = runtime.selector.plan_prefill(3, 4, n)
             s = t - n

@@ -10,7 +10,7 @@ from prhs_core.config import SelectorConfig
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_selectors import Dense, Oracle
-from prhs_selectors.base import block_any, block_max, topk_mask, window_mask
+from prhs_selectors.base import block_any, block_max, block_sum, topk_mask, window_mask
 
 # (lengths, Hq, Hkv, D): GQA ratios 1, 3 and 4; lengths not multiples of a block, T = 1.
 GEOMETRIES = [
@@ -79,6 +79,14 @@ def test_block_max_and_block_any_match_brute_force(s: int) -> None:
                 lo, hi = j * s, min((j + 1) * s, t)
                 assert bm[b, h, j].item() == max(scores[b, h, lo:hi].tolist())
                 assert ba[b, h, j].item() == any(mask[b, h, lo:hi].tolist())
+
+
+@pytest.mark.parametrize("s", [1, 3, 4, 10])
+def test_block_sum_matches_brute_force(s: int) -> None:
+    values = torch.rand(2, 3, 10, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+    bs = block_sum(values, s)
+    for j in range(-(-10 // s)):
+        torch.testing.assert_close(bs[..., j], values[..., j * s : (j + 1) * s].sum(-1))
 
 
 # -- oracle ----------------------------------------------------------------------------------

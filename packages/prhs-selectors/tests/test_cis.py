@@ -72,8 +72,15 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, layout, block_si
     cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1)
     sel = CIS(cfg)
     steps = 14
-    sim = make_sim([57, 40, 33], num_q_heads=4, num_kv_heads=2, head_dim=16, layout=layout,
-                   max_new_tokens=steps, seed=3)
+    sim = make_sim(
+        [57, 40, 33],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        layout=layout,
+        max_new_tokens=steps,
+        seed=3,
+    )
     pool = sim.attach(sel)
     b, h, g = 3, 2, 2
     anchor_q = torch.zeros(b, h, g * 16)
@@ -121,8 +128,9 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, layout, block_si
 
 def test_budget_covering_everything_gives_dense_output(make_sim, layout):
     sel = selectors.create("cis", budget=4096, block_size=1, n_sink=0, n_local=1)
-    sim = make_sim([50, 31], num_q_heads=6, num_kv_heads=2, head_dim=8, layout=layout,
-                   max_new_tokens=4)
+    sim = make_sim(
+        [50, 31], num_q_heads=6, num_kv_heads=2, head_dim=8, layout=layout, max_new_tokens=4
+    )
     pool = sim.attach(sel)
     for _ in range(4):
         out = sel.select(sim.step(0), pool)
@@ -135,8 +143,15 @@ def test_selection_is_identical_on_both_layouts(make_sim):
     picks = []
     for lay in ("contiguous", "paged"):
         sel = selectors.create("cis", budget=8, block_size=2, n_local=4, tau=0.5)
-        sim = make_sim([40, 29], num_q_heads=3, num_kv_heads=1, head_dim=8, layout=lay,
-                       max_new_tokens=5, seed=5)
+        sim = make_sim(
+            [40, 29],
+            num_q_heads=3,
+            num_kv_heads=1,
+            head_dim=8,
+            layout=lay,
+            max_new_tokens=5,
+            seed=5,
+        )
         pool = sim.attach(sel)
         run = []
         for _ in range(5):
@@ -168,14 +183,30 @@ def test_released_slot_starts_without_anchor(make_sim):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("require_cosine", [True, False])
 @pytest.mark.parametrize(("block_size", "hq", "hkv"), [(1, 2, 2), (4, 4, 1), (2, 6, 2)])
-def test_certificate_bounds_the_true_dropped_mass_every_step(make_sim, layout, require_cosine,
-                                                             block_size, hq, hkv):
-    cfg = CISConfig(budget=8, n_sink=2, n_local=8, block_size=block_size, tau=0.6,
-                    delta_max=0.3, require_cosine=require_cosine, k_max=32)
+def test_certificate_bounds_the_true_dropped_mass_every_step(
+    make_sim, layout, require_cosine, block_size, hq, hkv
+):
+    cfg = CISConfig(
+        budget=8,
+        n_sink=2,
+        n_local=8,
+        block_size=block_size,
+        tau=0.6,
+        delta_max=0.3,
+        require_cosine=require_cosine,
+        k_max=32,
+    )
     sel = CIS(cfg)
     steps = 12
-    sim = make_sim([48, 35], num_q_heads=hq, num_kv_heads=hkv, head_dim=16, layout=layout,
-                   max_new_tokens=steps, seed=9)
+    sim = make_sim(
+        [48, 35],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=16,
+        layout=layout,
+        max_new_tokens=steps,
+        seed=9,
+    )
     # Peaked attention: a few keys aligned with a drifting query direction.
     gen = torch.Generator().manual_seed(2)
     direction = torch.randn(16, generator=gen)
@@ -189,12 +220,15 @@ def test_certificate_bounds_the_true_dropped_mass_every_step(make_sim, layout, r
         logits = sim.logits(0)
         g = hq // hkv
         valid = torch.isfinite(logits)
-        delta = theory.dropped_mass(logits.masked_fill(~valid, 0.0),
-                                    mask.repeat_interleave(g, 1) & valid, valid)
+        delta = theory.dropped_mass(
+            logits.masked_fill(~valid, 0.0), mask.repeat_interleave(g, 1) & valid, valid
+        )
         group_delta = delta.view(2, hkv, g).mean(-1)
         assert out.stats.delta_hat is not None
         assert bool((group_delta <= out.stats.delta_hat.double() * (1 + 1e-5) + 1e-7).all()), (
-            group_delta, out.stats.delta_hat)
+            group_delta,
+            out.stats.delta_hat,
+        )
         reuse = ~out.stats.retrieved
         assert bool((out.stats.delta_hat[reuse] <= cfg.delta_max).all())
         reused += int(reuse.sum())
@@ -203,8 +237,9 @@ def test_certificate_bounds_the_true_dropped_mass_every_step(make_sim, layout, r
 
 
 def test_certified_retrieval_is_the_smallest_top_p_set(make_sim):
-    cfg = CISConfig(budget=4, n_sink=1, n_local=1, block_size=1, delta_max=0.2,
-                    delta_target=0.1, k_max=64)
+    cfg = CISConfig(
+        budget=4, n_sink=1, n_local=1, block_size=1, delta_max=0.2, delta_target=0.1, k_max=64
+    )
     sel = CIS(cfg)
     sim = make_sim([60], num_q_heads=1, num_kv_heads=1, head_dim=8, max_new_tokens=1, seed=4)
     sim.keys[0] *= 3

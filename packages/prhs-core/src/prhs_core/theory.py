@@ -51,6 +51,7 @@ __all__ = [
     "oracle_topk_mask",
     "output_error",
     "output_error_bound",
+    "ranks_from_order",
     "restricted_probs",
     "retained_mass",
     "retained_mass_gap",
@@ -384,12 +385,20 @@ def reuse_certificate(
 # --------------------------------------------------------------------------------------------
 # oracle comparisons and budgets
 # --------------------------------------------------------------------------------------------
+def ranks_from_order(order: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` rank of every position, given the ``order`` of a descending sort.
+
+    ``rank[order[j]] = j``: the inverse permutation, so a caller that has sorted already gets
+    ranks without sorting again.
+    """
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return rank
+
+
 def _rank(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every position by descending score (ties by index); invalid ones are -inf."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
-    return rank
+    return ranks_from_order(torch.sort(scores, dim=-1, descending=True, stable=True).indices)
 
 
 def _k_tensor(
@@ -515,7 +524,7 @@ def top_p_budget(
         check_int("max_size", max_size, minimum=max(min_size, 1))
     work, _, valid_ = _prep(logits, None, valid)
     t = work.shape[-1]
-    sorted_l = torch.sort(work, dim=-1, descending=True, stable=True).values
+    sorted_l, order = torch.sort(work, dim=-1, descending=True, stable=True)
     # tail[j] = logsumexp(sorted_l[j:]) for j = 0..T-1: the log mass dropped by the top-j set.
     tail = torch.flip(torch.logcumsumexp(torch.flip(sorted_l, [-1]), dim=-1), [-1])
     lse = tail[..., :1]
@@ -527,7 +536,7 @@ def top_p_budget(
     if max_size is not None:
         size = size.clamp_max(max_size)
     size = torch.minimum(size, valid_.sum(-1)).clamp_max(t)
-    mask = (_rank(work) < size.unsqueeze(-1)) & valid_
+    mask = (ranks_from_order(order) < size.unsqueeze(-1)) & valid_
     return TopPSelection(mask, size, dropped_mass(work, mask, valid_))
 
 

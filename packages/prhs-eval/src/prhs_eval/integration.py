@@ -64,7 +64,9 @@ class UnsupportedModelError(ValueError):
 
 
 def attention_spec(config: Any) -> AttentionSpec:
-    """The :class:`~prhs_core.config.AttentionSpec` of a transformers text config."""
+    """The :class:`~prhs_core.config.AttentionSpec` of a transformers config (its text part)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     n = int(config.num_hidden_layers)
     hq = int(config.num_attention_heads)
     hkv = int(getattr(config, "num_key_value_heads", None) or hq)
@@ -162,7 +164,7 @@ class PrhsRuntime:
     def __init__(self, model: Any, selector: DecodeSelector, max_seq_len: int) -> None:
         self.model = model
         self.selector = selector
-        self.spec = attention_spec(_text_config(model))
+        self.spec = attention_spec(model.config)
         self.max_seq_len = max_seq_len
         self.observers: list[StepObserver] = []
         self._selectable = frozenset(self.spec.selectable_layers)
@@ -173,6 +175,8 @@ class PrhsRuntime:
         self._cache: Any = None
         self._fresh_prefill = False
         self._row_mask: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prompt_rows: list[tuple[int, int]] | None = None
         self.enabled = False
 
     # -- install / remove -------------------------------------------------------------------
@@ -228,6 +232,8 @@ class PrhsRuntime:
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         past = kwargs.get("past_key_values")
         self._fresh_prefill = past is None or past.get_seq_length() == 0
+        self._rows = None
+        self._prompt_rows = None
         mask = kwargs.get("attention_mask")
         self._row_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 
@@ -241,14 +247,20 @@ class PrhsRuntime:
             return output
         layer = module.self_attn.layer_idx
         b, t = hidden_in.shape[:2]
-        start, lens = _row_bounds(self._row_mask, b, t, hidden_in.device)
-        frozen = torch.zeros(b, t, dtype=torch.bool, device=hidden_in.device)
-        pos = torch.arange(t, device=hidden_in.device)
-        for i, (s, n) in enumerate(zip(start.tolist(), lens.tolist(), strict=True)):
-            e = self._planner.plan_prefill(layer, self.spec.num_layers, n).frozen_prefix
-            frozen[i] = (pos >= s) & (pos < s + e)
-        if not bool(frozen.any()):
+        if self._prompt_rows is None:  # once per forward: the rows' (start, length) on the host
+            start, lens = _row_bounds(self._row_mask, b, t, hidden_in.device)
+            self._prompt_rows = list(zip(start.tolist(), lens.tolist(), strict=True))
+        # Frozen rows [start, start + E_ℓ(length)) of each sequence, as a per-row bound.
+        frozen_len = [
+            self._planner.plan_prefill(layer, self.spec.num_layers, n).frozen_prefix
+            for _, n in self._prompt_rows
+        ]
+        if not any(frozen_len):
             return output
+        lo = torch.tensor([s for s, _ in self._prompt_rows], device=hidden_in.device)
+        hi = lo + torch.tensor(frozen_len, device=hidden_in.device)
+        pos = torch.arange(t, device=hidden_in.device).view(1, -1)
+        frozen = (pos >= lo.view(-1, 1)) & (pos < hi.view(-1, 1))
         new = torch.where(frozen.unsqueeze(-1), hidden_in, out)
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
@@ -274,17 +286,19 @@ class PrhsRuntime:
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scale, **kwargs
             )
-        last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
+        if layer == self._first_layer or self._rows is None:
+            # Every full layer of one forward shares the padding: find it (a host sync) once.
+            last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
+            self._rows = _row_bounds(last_row, b, tk, query.device)
+        start, lens = self._rows
         if tq > 1:
             if layer == self._first_layer and self._fresh_prefill:
-                _, lens = _row_bounds(last_row, b, tk, query.device)
                 self._new_state(self._cache, b, lens, query.device)
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
-                mask = self._prefill_mask(layer, attention_mask, b, tk, query.device)
+                mask = self._prefill_mask(layer, attention_mask, start, tk)
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
 
-        start, lens = _row_bounds(last_row, b, tk, query.device)
         pool = self.state_for(self._cache)
         if pool is None:  # decoding into a cache prefilled without prhs
             pool = self._new_state(self._cache, b, lens - 1, query.device)
@@ -300,14 +314,14 @@ class PrhsRuntime:
         return out.unsqueeze(1), None
 
     def _prefill_mask(
-        self, layer: int, mask: torch.Tensor | None, b: int, t: int, device: torch.device
+        self, layer: int, mask: torch.Tensor | None, start: torch.Tensor, t: int
     ) -> torch.Tensor:
         """The model's mask restricted by the planner's per-row window (PSAW), left padding
-        handled by indexing the plan with each row's logical position."""
+        handled by indexing the plan with each row's logical position. ``start [B]`` is each
+        row's first position; the longest prompt fills all ``t`` columns."""
         assert self._planner is not None
-        last_row = mask[:, 0, -1, :] if mask is not None else None
-        start, lens = _row_bounds(last_row, b, t, device)
-        plan = self._planner.plan_prefill(layer, self.spec.num_layers, int(lens.max()))
+        b, device = start.shape[0], start.device
+        plan = self._planner.plan_prefill(layer, self.spec.num_layers, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         base = mask.to(torch.bool) if mask is not None else causal.expand(b, 1, t, t)
         if plan.window_start is None:

@@ -136,8 +136,6 @@ class SelectionMeter:
         self._violations: int | None = None
         self._mi = _MIAccumulator()
         self._mi_results: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._step_bytes = 0.0
-        self._step_dense = 0.0
         self._bytes_total = 0.0
         self._dense_total = 0.0
         self._step_count = 0
@@ -173,8 +171,7 @@ class SelectionMeter:
 
         size = chosen.sum(-1, keepdim=True)  # [B, H, 1]
         sorted_p, order = torch.sort(group_p, dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(-1, order, torch.arange(t, device=order.device).expand_as(order))
+        rank = theory.ranks_from_order(order)
         star = rank < size  # the same-size oracle set
         tau_star = torch.where(star, group_p, 0.0).sum(-1)
         beta = (tau_star - (1 - delta)).clamp_min(0)
@@ -199,22 +196,19 @@ class SelectionMeter:
             self._add("retrieved", stats.retrieved.double())
             self._add("avg_kv", stats.num_selected.double())
             elem = step.query.element_size()
-            self._step_bytes += float(stats.bytes_read(head_dim=d, element_size=elem).sum())
+            self._bytes_total += float(stats.bytes_read(head_dim=d, element_size=elem).sum())
             if stats.delta_hat is not None:
                 bad = delta > stats.delta_hat.double() * (1 + self.tolerance) + 1e-12
                 self._violations = (self._violations or 0) + int(bad.sum())
         else:
             self._add("avg_kv", size.double())
-        self._step_dense += (
+        self._dense_total += (
             float(cache.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
         )
 
         if self._last_layer is None or step.layer <= self._last_layer:
             self._step_count += b
         self._last_layer = step.layer
-        self._bytes_total += self._step_bytes
-        self._dense_total += self._step_dense
-        self._step_bytes = self._step_dense = 0.0
 
         if self.mi:
             ps = torch.where(chosen_q, probs, 0.0) / tau_q.unsqueeze(-1)

@@ -204,11 +204,7 @@ def compare(
     if score_tokens < 1:
         raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
     session = _Session(loaded)
-    spec_model = attention_spec(
-        loaded.model.config.get_text_config()
-        if hasattr(loaded.model.config, "get_text_config")
-        else loaded.model.config
-    )
+    spec_model = attention_spec(loaded.model.config)
     options = dict(task_options or {})
     unused = set(options) - {p for t in tasks for p in _task_parameters(t)}
     if unused:

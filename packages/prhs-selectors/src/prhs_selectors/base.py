@@ -26,6 +26,7 @@ __all__ = [
     "GroupScores",
     "block_any",
     "block_max",
+    "block_sum",
     "exact_group_scores",
     "exact_logits64",
     "make_selection",
@@ -119,6 +120,11 @@ def _pad_to_blocks(x: torch.Tensor, s: int, fill: float | bool) -> torch.Tensor:
 def block_max(scores: torch.Tensor, s: int) -> torch.Tensor:
     """``[..., ceil(T/s)]``: the max score of each aligned block of ``s`` positions."""
     return _pad_to_blocks(scores, s, NEG_INF).amax(-1)
+
+
+def block_sum(values: torch.Tensor, s: int) -> torch.Tensor:
+    """``[..., ceil(T/s)]``: the sum of each aligned block of ``s`` positions."""
+    return _pad_to_blocks(values, s, 0.0).sum(-1)
 
 
 def block_any(mask: torch.Tensor, s: int) -> torch.Tensor:

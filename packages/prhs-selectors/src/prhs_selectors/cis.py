@@ -34,12 +34,13 @@ from prhs_core.protocols import DecodeStep
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SequenceStatePool
-from prhs_core.theory import log_reuse_certificate
+from prhs_core.theory import log_reuse_certificate, ranks_from_order
 from prhs_selectors.base import (
     BaseSelector,
     GroupScores,
     block_any,
     block_max,
+    block_sum,
     exact_group_scores,
     exact_logits64,
     make_selection,
@@ -204,39 +205,30 @@ class CIS(BaseSelector):
         c = self.config
         return dilate_blocks(anchor_set[..., :nb], anchor_score[..., :nb], self._dilation_m(), c.r)
 
-    def _retrieve_blocks(self, step: DecodeStep, scores: GroupScores) -> torch.Tensor:
-        """``S_a`` for a retrieval, ``[B, H, nb]`` blocks (sink and local blocks excluded)."""
+    def _retrieve_blocks(
+        self,
+        scores: GroupScores,
+        block_score: torch.Tensor,
+        win_b: torch.Tensor,
+        valid_b: torch.Tensor,
+        sink_b: torch.Tensor,
+    ) -> torch.Tensor:
+        """``S_a`` for a retrieval, ``[B, H, nb]`` blocks (sink and local blocks excluded).
+
+        ``block_score`` is each block's max group probability; the masks are ``[B, H, nb]``.
+        """
         c = self.config
-        s = c.block_size
-        win_b = block_any(self.windows(step).expand_as(scores.probs), s)
-        valid_b = block_any(scores.valid[:, None].expand_as(scores.probs), s)
-        eligible = valid_b & ~win_b
         if not c.certified:
-            return topk_mask(block_max(scores.probs, s), self.budget_blocks(), eligible)
+            return topk_mask(block_score, self.budget_blocks(), valid_b & ~win_b)
         # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped.
-        sink_b = block_any(
-            (torch.arange(scores.probs.shape[-1], device=scores.probs.device) < c.n_sink)
-            .view(1, 1, -1)
-            .expand_as(scores.probs),
-            s,
-        )
-        mass = torch.nn.functional.pad(
-            scores.probs.double(), (0, sink_b.shape[-1] * s - scores.probs.shape[-1])
-        )
-        mass = mass.view(*mass.shape[:-1], -1, s).sum(-1)
+        mass = block_sum(scores.probs.double(), c.block_size)
         kept_sink = (mass * sink_b).sum(-1, keepdim=True)
         cand = mass.masked_fill(~(valid_b & ~sink_b), NEG_INF)
-        sorted_mass = torch.sort(cand, dim=-1, descending=True, stable=True).values.clamp_min(0)
-        dropped_after = 1.0 - kept_sink - torch.cumsum(sorted_mass, dim=-1)
+        sorted_mass, order = torch.sort(cand, dim=-1, descending=True, stable=True)
+        dropped_after = 1.0 - kept_sink - torch.cumsum(sorted_mass.clamp_min(0), dim=-1)
         need = 1 + (dropped_after > c.retrieval_target).sum(-1, keepdim=True)
-        cap = max(1, c.retrieval_cap // s)
-        need = need.clamp(max=cap).squeeze(-1)
-        rank_order = torch.sort(cand, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(rank_order)
-        rank.scatter_(
-            -1, rank_order, torch.arange(cand.shape[-1], device=cand.device).expand_as(rank)
-        )
-        return (rank < need.unsqueeze(-1)) & valid_b & ~sink_b
+        need = need.clamp(max=max(1, c.retrieval_cap // c.block_size))
+        return (ranks_from_order(order) < need) & valid_b & ~sink_b
 
     def _to_tokens(self, blocks: torch.Tensor, t: int) -> torch.Tensor:
         s = self.config.block_size
@@ -289,18 +281,19 @@ class CIS(BaseSelector):
 
         if bool(retrieve.any()):
             scores = exact_group_scores(step)
-            new_set = self._retrieve_blocks(step, scores)
-            fresh = (new_set | win_b) & valid_b
-            chosen = torch.where(retrieve.unsqueeze(-1), fresh, chosen)
             sink_b = block_any(self._sink_tokens(b, h, t_max, dev), s)
             new_score = block_max(scores.probs, s)
-            anchor_keep = self._to_tokens(
-                self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max
-            )
+            new_set = self._retrieve_blocks(scores, new_score, win_b, valid_b, sink_b)
+            fresh = (new_set | win_b) & valid_b
+            chosen = torch.where(retrieve.unsqueeze(-1), fresh, chosen)
             if c.certified:
-                # δ_a and a retrieval's own δ are what the bound rests on: float64 logits.
+                # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests
+                # on: float64 logits.
                 logits64 = exact_logits64(step)
                 valid = scores.valid[:, None]
+                anchor_keep = self._to_tokens(
+                    self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max
+                )
                 log_d_anchor = group_log_dropped_mass(logits64, anchor_keep & valid)
                 read = self._to_tokens(fresh, t_max) & valid
                 exact = torch.exp(group_log_dropped_mass(logits64, read)).float()

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-def _check_fraction(name: str, value: object, *, open_low: bool = True) -> None:
+def _check_fraction(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not (0.0 < value < 1.0):
