@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from prhs_core._checks import check_int
+from prhs_core.checks import check_int
 
 __all__ = ["AttentionSpec", "LayerType", "SelectorConfig"]
 

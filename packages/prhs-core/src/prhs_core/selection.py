@@ -1,9 +1,16 @@
-"""What a selector returns for one decode step: the positions each (sequence, KV head) reads.
+"""What a selector returns for one layer at one decode step: the positions each (sequence, KV
+head) reads, as a fixed-width index list plus a count.
 
-Selections are index lists, not masks: hosts and kernels read only what is listed. A list is
-padded with ``-1`` to a common length ``K`` across the batch and heads, so one tensor serves a
-batch of sequences of different lengths. With ``block_size = s > 1`` the entries are block ids:
-block ``j`` covers positions ``[j*s, (j+1)*s)`` clipped to the sequence.
+A :class:`Selection` is ``indices [B, Hkv, K_max]`` int32 with ``counts [B, Hkv]`` int32: row
+``(b, h)`` reads entries ``indices[b, h, :counts[b, h]]``; entries past the count are ignored
+(prhs writes ``-1`` there, but no reader relies on it). ``K_max`` is a static function of the
+selector's config and never changes between steps, so a step keeps its shapes and can be
+captured in a CUDA graph. With ``block_size = s > 1`` the entries are block ids: block ``j``
+covers positions ``[j*s, (j+1)*s)`` clipped to the sequence. Index lists, not masks: kernels
+read only what is listed. ``None`` in place of a selection means dense: every cached position.
+
+The buffers are owned by the caller (a :class:`~prhs_core.plan.DecodePlan` allocates them once);
+a selector writes into them.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prhs_core._checks import check_bool_mask, check_index_tensor, check_int
+from prhs_core.checks import check_bool_mask, check_index_tensor, check_int, check_shape
 
 __all__ = ["Selection", "StepStats"]
 
@@ -21,25 +28,27 @@ __all__ = ["Selection", "StepStats"]
 class StepStats:
     """Per-step statistics of one layer's selection, per (sequence, KV head).
 
+    Opt-in (a plan made with ``stats=True``); written by the selector into these buffers.
+
     Attributes
     ----------
     retrieved:
         ``[B, Hkv]`` bool: this decision scored every cached key (a "retrieval"); ``False`` for
-        reuse (CIS) and for selectors that never score all keys. ``ρ̂`` is its mean, in %.
+        a reuse (CIS) and for selectors that never score all keys. ``ρ̂`` is its mean, in %.
     num_selected:
-        ``[B, Hkv]`` int64: positions read by attention after block expansion and clipping.
-    delta_hat:
-        ``[B, Hkv]`` certified upper bound on the dropped mass (SPEC §2.5), or ``None`` when the
-        selector certifies nothing.
+        ``[B, Hkv]`` int32: positions read by attention after block expansion and clipping.
     proxy_bytes:
-        ``[B, Hkv]`` bytes of keys, proxies or metadata read to *make* the selection (a retrieval
-        reads every cached key); ``None`` means zero.
+        ``[B, Hkv]`` float64 bytes of keys, proxies or metadata read to *make* the selection
+        (a retrieval reads every cached key).
+    delta_hat:
+        ``[B, Hkv]`` float32 certified upper bound of the dropped mass, or ``None`` when the
+        selector certifies nothing.
     """
 
     retrieved: torch.Tensor
     num_selected: torch.Tensor
+    proxy_bytes: torch.Tensor
     delta_hat: torch.Tensor | None = None
-    proxy_bytes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.retrieved, torch.Tensor) or self.retrieved.ndim != 2:
@@ -47,12 +56,25 @@ class StepStats:
         shape = tuple(self.retrieved.shape)
         check_bool_mask("retrieved", self.retrieved, shape)
         check_index_tensor("num_selected", self.num_selected, ndim=2)
-        for name in ("num_selected", "delta_hat", "proxy_bytes"):
+        for name in ("num_selected", "proxy_bytes", "delta_hat"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(
                     f"{name} must have the shape of retrieved {list(shape)}, got {list(t.shape)}"
                 )
+
+    @classmethod
+    def allocate(
+        cls, batch_size: int, num_kv_heads: int, device: torch.device | str, *, certified: bool
+    ) -> StepStats:
+        """Zeroed buffers for ``batch_size`` rows (with ``delta_hat`` when ``certified``)."""
+        shape = (batch_size, num_kv_heads)
+        return cls(
+            torch.zeros(shape, dtype=torch.bool, device=device),
+            torch.zeros(shape, dtype=torch.int32, device=device),
+            torch.zeros(shape, dtype=torch.float64, device=device),
+            torch.zeros(shape, dtype=torch.float32, device=device) if certified else None,
+        )
 
     def bytes_read(
         self, *, head_dim: int, value_dim: int | None = None, element_size: int = 2
@@ -65,9 +87,7 @@ class StepStats:
         check_int("element_size", element_size, minimum=1)
         dv = head_dim if value_dim is None else check_int("value_dim", value_dim, minimum=1)
         kv = self.num_selected.to(torch.float64) * float((head_dim + dv) * element_size)
-        if self.proxy_bytes is not None:
-            kv = kv + self.proxy_bytes.to(torch.float64)
-        return kv.sum(dim=1)
+        return (kv + self.proxy_bytes.to(torch.float64)).sum(dim=1)
 
 
 @dataclass(frozen=True)
@@ -77,46 +97,66 @@ class Selection:
     Attributes
     ----------
     indices:
-        ``[B, Hkv, K]`` int64 logical positions (``block_size == 1``) or block ids, unique per
-        row, in any order, padded with ``-1``. ``None`` means every cached position (dense).
+        ``[B, Hkv, K_max]`` int32 logical positions (``block_size == 1``) or block ids. Row
+        ``(b, h)`` uses its first ``counts[b, h]`` entries, which are distinct; their order is
+        unspecified (prhs's own selectors write them ascending).
+    counts:
+        ``[B, Hkv]`` int32, each in ``[0, K_max]``.
     block_size:
-        ``s``; entries of ``indices`` are block ids when ``s > 1``.
+        ``s``; entries are block ids when ``s > 1``.
     stats:
-        Per-step statistics, or ``None`` when the host did not ask for them.
+        Per-step statistics, or ``None`` when the plan did not ask for them.
     """
 
-    indices: torch.Tensor | None
+    indices: torch.Tensor
+    counts: torch.Tensor
     block_size: int = 1
     stats: StepStats | None = None
 
     def __post_init__(self) -> None:
+        check_index_tensor("indices", self.indices, ndim=3)
+        if self.indices.dtype != torch.int32:
+            raise TypeError(f"indices must be int32, got {self.indices.dtype}")
+        check_index_tensor("counts", self.counts, ndim=2)
+        if self.counts.dtype != torch.int32:
+            raise TypeError(f"counts must be int32, got {self.counts.dtype}")
+        check_shape("counts", self.counts, tuple(self.indices.shape[:2]), "[B, Hkv]")
         check_int("block_size", self.block_size, minimum=1)
-        if self.indices is not None:
-            check_index_tensor("indices", self.indices, ndim=3)
-
-    @property
-    def is_dense(self) -> bool:
-        """True when every cached position is read."""
-        return self.indices is None
 
     @classmethod
-    def from_mask(cls, mask: torch.Tensor, *, stats: StepStats | None = None) -> Selection:
-        """Build a token-granular selection from a ``[B, Hkv, T]`` bool mask."""
-        if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
-            raise ValueError("mask must be a [B, Hkv, T] bool tensor")
-        check_bool_mask("mask", mask, tuple(mask.shape))
-        width = int(mask.sum(-1).max()) if mask.numel() else 0
-        # Stable sort puts selected positions first, in increasing order.
-        order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-        keep = torch.gather(mask, -1, order)
-        return cls(torch.where(keep, order, -1), 1, stats)
+    def allocate(
+        cls,
+        batch_size: int,
+        num_kv_heads: int,
+        width: int,
+        block_size: int,
+        device: torch.device | str,
+        stats: StepStats | None = None,
+    ) -> Selection:
+        """Buffers for a selection of static width ``K_max = width`` (indices ``-1``, counts 0)."""
+        check_int("width", width, minimum=0)
+        return cls(
+            torch.full((batch_size, num_kv_heads, width), -1, dtype=torch.int32, device=device),
+            torch.zeros((batch_size, num_kv_heads), dtype=torch.int32, device=device),
+            block_size,
+            stats,
+        )
+
+    @property
+    def width(self) -> int:
+        """``K_max``, the static width of :attr:`indices`."""
+        return self.indices.shape[-1]
+
+    def entry_mask(self) -> torch.Tensor:
+        """``[B, Hkv, K_max]`` bool: the entries in use (``k < counts``)."""
+        k = torch.arange(self.width, device=self.indices.device, dtype=torch.int32)
+        return k.view(1, 1, -1) < self.counts.unsqueeze(-1)
 
     def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, K*s]`` token positions, ``-1`` for padding and positions past the end."""
-        if self.indices is None:
-            raise ValueError("a dense selection has no index list; use to_mask()")
+        """``[B, Hkv, K_max * s]`` int64 token positions; ``-1`` for unused entries and for
+        positions past each sequence's end."""
         check_index_tensor("seq_lens", seq_lens, ndim=1)
-        idx = self.indices.to(torch.long)
+        idx = torch.where(self.entry_mask(), self.indices, -1).to(torch.long)
         s = self.block_size
         if s > 1:
             offs = torch.arange(s, device=idx.device)
@@ -126,20 +166,32 @@ class Selection:
             pos = idx
         return torch.where(pos < seq_lens.view(-1, 1, 1).to(pos.device), pos, -1)
 
-    def to_mask(self, seq_lens: torch.Tensor, max_seq_len: int, num_kv_heads: int) -> torch.Tensor:
-        """``[B, Hkv, max_seq_len]`` bool mask of the positions read."""
-        check_index_tensor("seq_lens", seq_lens, ndim=1)
-        b = seq_lens.shape[0]
-        t = torch.arange(max_seq_len, device=seq_lens.device)
-        valid = (t.view(1, 1, -1) < seq_lens.view(-1, 1, 1)).expand(b, num_kv_heads, -1)
-        if self.indices is None:
-            return valid.clone()
-        if self.indices.shape[:2] != (b, num_kv_heads):
-            raise ValueError(
-                f"indices must have shape [B={b}, Hkv={num_kv_heads}, K], "
-                f"got {list(self.indices.shape)}"
-            )
+    def num_tokens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv]`` int32 positions read (blocks expanded and clipped to each length)."""
+        return (self.positions(seq_lens) >= 0).sum(-1).to(torch.int32)
+
+    def to_mask(self, seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+        """``[B, Hkv, max_len]`` bool mask of the positions read (for metrics and tests)."""
+        b, h = self.counts.shape
         pos = self.positions(seq_lens)
-        mask = torch.zeros(b, num_kv_heads, max_seq_len + 1, dtype=torch.bool, device=pos.device)
-        mask.scatter_(-1, torch.where(pos >= 0, pos.clamp(max=max_seq_len), max_seq_len), True)
-        return mask[..., :max_seq_len] & valid
+        mask = torch.zeros(b, h, max_len + 1, dtype=torch.bool, device=pos.device)
+        mask.scatter_(-1, torch.where(pos >= 0, pos.clamp(max=max_len), max_len), True)
+        return mask[..., :max_len]
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, *, width: int | None = None) -> Selection:
+        """A token-granular selection from a ``[B, Hkv, T]`` bool mask, ascending (for tests and
+        hosts off the decode path: it reads the widest row's count on the host when ``width``
+        is not given)."""
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
+            raise ValueError("mask must be a [B, Hkv, T] bool tensor")
+        check_bool_mask("mask", mask, tuple(mask.shape))
+        counts = mask.sum(-1).to(torch.int32)
+        if width is None:
+            width = int(counts.max()) if counts.numel() else 0
+        order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+        keep = torch.gather(mask, -1, order)
+        idx = torch.where(keep, order, -1).to(torch.int32)
+        if idx.shape[-1] < width:
+            idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1)
+        return cls(idx, counts.clamp(max=width), 1)

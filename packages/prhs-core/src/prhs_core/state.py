@@ -1,28 +1,33 @@
-"""Per-sequence selector state with an explicit lifecycle: create, append, release.
+"""Selector state in two parts, sized so that neither grows with requests × maximum length.
 
-A host owns one :class:`SequenceStatePool` per selector. The pool has a fixed number of *slots*;
-each live sequence occupies one. transformers uses slot ``b`` for batch row ``b``; SGLang uses
-the request's ``req_pool_idx``, and reuses the slot for a new request after ``release``.
+- :class:`SequenceStatePool`: per-request state whose size does not depend on the context length
+  (CIS's anchor queries and anchor index lists, H2O's per-layer "seeded" flags), one row per
+  request slot. transformers uses batch row ``b`` as the slot; SGLang uses the request's
+  ``req_pool_idx`` and reuses it after ``release``. One extra row, :attr:`scratch_slot`, is
+  reserved for padded batch rows (SGLang pads CUDA-graph batches): a padded row reads and writes
+  it, harmlessly.
+- :class:`SideCache`: metadata indexed by the physical location of a key (a pool slot, or a page
+  of slots), written when the host writes K/V, so it follows the KV pool: Quest's page bounds,
+  H2O's accumulated scores.
 
-Selectors declare the tensors they keep per sequence with :meth:`SequenceStatePool.add_field`
-(e.g. CIS's anchor query ``[L, Hkv, g*D]``); each field is stored as one batched tensor
-``[capacity, *shape]`` so a decode step indexes it with the batch's slot ids, with no Python loop
-over sequences or heads.
+:class:`SelectorState` holds both, with the location geometry and the device-side counter of
+non-finite inputs that were skipped.
 
-Every method validates all of its input before changing anything: a bad call raises and leaves
-the pool exactly as it was.
+The pool keeps no copy of sequence lengths: lengths come from the host with every step.
+Every lifecycle call validates all of its input before changing anything: a bad call raises and
+leaves the state exactly as it was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from prhs_core._checks import check_int
+from prhs_core.checks import check_int
 
-__all__ = ["SequenceStatePool", "SlotsLike"]
+__all__ = ["SelectorState", "SequenceStatePool", "SideCache", "SlotsLike"]
 
 SlotsLike = Sequence[int] | torch.Tensor
 
@@ -34,29 +39,18 @@ class _FieldSpec:
     fill: float | int | bool
 
 
-class SequenceStatePool:
-    """Batched per-sequence state for up to ``capacity`` concurrent sequences.
+class _Fields:
+    """Named tensors ``[rows, *shape]`` declared with :meth:`add_field`."""
 
-    Parameters
-    ----------
-    capacity:
-        Number of slots (the host's maximum number of live sequences).
-    device:
-        Where the fields live (the cache's device).
-    """
+    rows: int
+    device: torch.device
 
-    def __init__(self, capacity: int, device: torch.device | str | None = None) -> None:
-        check_int("capacity", capacity, minimum=1)
-        self.capacity = capacity
+    def __init__(self, rows: int, device: torch.device | str | None) -> None:
+        self.rows = rows
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._specs: dict[str, _FieldSpec] = {}
         self._fields: dict[str, torch.Tensor] = {}
-        self._active = torch.zeros(capacity, dtype=torch.bool)  # host-side bookkeeping
-        self._lengths_host = torch.zeros(capacity, dtype=torch.long)
-        self.lengths = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        """``[capacity]`` int64 on ``device``: cached positions per slot (0 when free)."""
 
-    # -- fields ---------------------------------------------------------------------------
     def add_field(
         self,
         name: str,
@@ -64,30 +58,27 @@ class SequenceStatePool:
         dtype: torch.dtype = torch.float32,
         fill: float | int | bool = 0,
     ) -> torch.Tensor:
-        """Declare a per-sequence tensor of ``shape``; slots get ``fill`` when created."""
+        """Declare a tensor of ``shape`` per row, filled with ``fill``."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"field name must be an identifier, got {name!r}")
         if name in self._specs:
-            raise ValueError(f"field {name!r} already exists in this pool")
+            raise ValueError(f"field {name!r} already exists")
         dims = tuple(
             check_int(f"shape[{i}] of field {name!r}", s, minimum=0) for i, s in enumerate(shape)
         )
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         # Build the tensor before recording the spec: a bad fill must leave the pool unchanged.
-        tensor = torch.full((self.capacity, *dims), fill, dtype=dtype, device=self.device)
+        tensor = torch.full((self.rows, *dims), fill, dtype=dtype, device=self.device)
         self._specs[name] = _FieldSpec(dims, dtype, fill)
         self._fields[name] = tensor
         return tensor
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """The field ``name`` as ``[capacity, *shape]`` (index it with slot ids)."""
         try:
             return self._fields[name]
         except KeyError:
-            raise KeyError(
-                f"no field {name!r} in this pool; fields: {sorted(self._fields)}"
-            ) from None
+            raise KeyError(f"no field {name!r}; fields: {sorted(self._fields)}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._fields
@@ -95,6 +86,45 @@ class SequenceStatePool:
     @property
     def field_names(self) -> tuple[str, ...]:
         return tuple(self._specs)
+
+    def nbytes(self) -> int:
+        """Bytes held by every field (sizes from shapes: works on the ``meta`` device)."""
+        return sum(t.numel() * t.element_size() for t in self._fields.values())
+
+    def _reset_rows(self, idx: torch.Tensor) -> None:
+        for name, spec in self._specs.items():
+            self._fields[name][idx] = spec.fill
+
+
+class SequenceStatePool(_Fields):
+    """Per-request state for up to ``capacity`` live sequences, plus one scratch row.
+
+    Parameters
+    ----------
+    capacity:
+        Number of request slots (the host's maximum number of live sequences).
+    device:
+        Where the fields live (the cache's device).
+
+    Fields are ``[capacity + 1, *shape]``: index them with slot ids; row ``capacity`` is
+    :attr:`scratch_slot`.
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str | None = None) -> None:
+        check_int("capacity", capacity, minimum=1)
+        super().__init__(capacity + 1, device)
+        self.capacity = capacity
+        self._active = [False] * capacity  # host-side bookkeeping
+        self._created_since_plan = False
+
+    @property
+    def scratch_slot(self) -> int:
+        """The row that padded batch rows use (never a live sequence)."""
+        return self.capacity
+
+    def nbytes_per_request(self) -> float:
+        """Bytes of state per request slot."""
+        return self.nbytes() / self.rows
 
     # -- lifecycle ------------------------------------------------------------------------
     def _slots(self, slots: SlotsLike, *, op: str) -> list[int]:
@@ -106,90 +136,171 @@ class SequenceStatePool:
             ids = [check_int(f"{op}: slot", s) for s in slots]
         bad = [s for s in ids if not 0 <= s < self.capacity]
         if bad:
-            raise ValueError(f"{op}: slots must lie in [0, {self.capacity}), got {bad}")
+            raise ValueError(
+                f"{op}: slots must lie in [0, {self.capacity}) (the pool's capacity), got {bad}"
+            )
         if len(set(ids)) != len(ids):
             raise ValueError(f"{op}: slots must be distinct, got {ids}")
         return ids
 
-    def _counts(self, name: str, value: int | Sequence[int] | torch.Tensor, n: int) -> list[int]:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-                raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
-            vals = [int(v) for v in value.flatten().tolist()]
-        elif isinstance(value, Sequence) and not isinstance(value, str):
-            vals = [check_int(name, v) for v in value]
-        else:
-            vals = [check_int(name, value)] * n
-        if len(vals) != n:
-            raise ValueError(f"{name} must give one value per slot ({n}), got {len(vals)}")
-        if any(v < 0 for v in vals):
-            raise ValueError(f"{name} must be >= 0, got {vals}")
-        return vals
-
-    def create(self, slots: SlotsLike, lengths: int | Sequence[int] | torch.Tensor = 0) -> None:
-        """Start sequences in free ``slots`` with ``lengths`` cached positions (the prompt).
-
-        Every field of those slots is reset to its fill value.
-        """
+    def create(self, slots: SlotsLike) -> None:
+        """Start sequences in free ``slots``: every field of those rows is reset to its fill."""
         ids = self._slots(slots, op="create")
-        lens = self._counts("lengths", lengths, len(ids))
-        busy = [s for s in ids if bool(self._active[s])]
+        busy = [s for s in ids if self._active[s]]
         if busy:
             raise ValueError(f"create: slots {busy} are in use; release them first")
         if not ids:
             return
-        idx = torch.tensor(ids, dtype=torch.long)
-        self._active[idx] = True
-        self._lengths_host[idx] = torch.tensor(lens, dtype=torch.long)
-        dev_idx = idx.to(self.device)
-        self.lengths[dev_idx] = torch.tensor(lens, dtype=torch.long, device=self.device)
-        for name, spec in self._specs.items():
-            self._fields[name][dev_idx] = spec.fill
-
-    def append(self, slots: SlotsLike, num_tokens: int | Sequence[int] | torch.Tensor = 1) -> None:
-        """Record ``num_tokens`` new cached positions for each live slot."""
-        ids = self._slots(slots, op="append")
-        counts = self._counts("num_tokens", num_tokens, len(ids))
-        idle = [s for s in ids if not bool(self._active[s])]
-        if idle:
-            raise ValueError(f"append: slots {idle} hold no sequence; create them first")
-        if not ids:
-            return
-        idx = torch.tensor(ids, dtype=torch.long)
-        add = torch.tensor(counts, dtype=torch.long)
-        self._lengths_host[idx] += add
-        self.lengths[idx.to(self.device)] += add.to(self.device)
+        for s in ids:
+            self._active[s] = True
+        self._reset_rows(torch.tensor(ids, dtype=torch.long, device=self.device))
+        self._created_since_plan = True
 
     def release(self, slots: SlotsLike) -> None:
         """End the sequences in ``slots``; the slots become free for reuse."""
         ids = self._slots(slots, op="release")
-        idle = [s for s in ids if not bool(self._active[s])]
+        idle = [s for s in ids if not self._active[s]]
         if idle:
             raise ValueError(f"release: slots {idle} hold no sequence")
-        if not ids:
-            return
-        idx = torch.tensor(ids, dtype=torch.long)
-        self._active[idx] = False
-        self._lengths_host[idx] = 0
-        self.lengths[idx.to(self.device)] = 0
+        for s in ids:
+            self._active[s] = False
 
     def release_all(self) -> None:
         """End every live sequence (a host resetting its cache)."""
-        self.release([int(i) for i in torch.nonzero(self._active).flatten().tolist()])
+        self.release(list(self.active_slots))
+
+    def take_created(self) -> bool:
+        """Whether a slot was created since the last call (host bookkeeping, no device read);
+        a plan asks once per step so selectors that seed state at a sequence's first decode step
+        know whether to."""
+        created, self._created_since_plan = self._created_since_plan, False
+        return created
 
     # -- queries --------------------------------------------------------------------------
     def is_active(self, slot: int) -> bool:
         """Whether ``slot`` holds a live sequence."""
-        return bool(self._active[check_int("slot", slot)]) if 0 <= slot < self.capacity else False
+        check_int("slot", slot)
+        return 0 <= slot < self.capacity and self._active[slot]
 
     @property
     def active_slots(self) -> tuple[int, ...]:
         """Slots holding a live sequence, ascending."""
-        return tuple(int(i) for i in torch.nonzero(self._active).flatten().tolist())
+        return tuple(i for i, a in enumerate(self._active) if a)
 
-    def length(self, slot: int) -> int:
-        """Cached positions of the sequence in ``slot`` (0 when free), without a device sync."""
-        check_int("slot", slot, minimum=0)
-        if slot >= self.capacity:
-            raise ValueError(f"slot must lie in [0, {self.capacity}), got {slot}")
-        return int(self._lengths_host[slot])
+    @property
+    def num_active(self) -> int:
+        """How many sequences are live."""
+        return sum(self._active)
+
+
+class SideCache(_Fields):
+    """Metadata indexed by KV location, written when K/V are written.
+
+    Parameters
+    ----------
+    num_locations:
+        Token locations of the KV pool the host keeps (see :mod:`prhs_core.layout`).
+    page_size:
+        Locations per page: page-level fields have ``ceil(num_locations / page_size)`` rows
+        (:meth:`add_page_field`).
+    device:
+        Where the fields live.
+
+    Token fields (:meth:`add_field`) are ``[num_locations + 1, *shape]`` and page fields
+    (:meth:`add_page_field`) ``[num_pages + 1, *shape]``: the last row of each is scratch
+    (:attr:`scratch_location`, :attr:`scratch_page`), where reads and writes of locations that
+    do not exist (``-1``) are sent, so no op needs a data-dependent shape.
+    """
+
+    def __init__(
+        self, num_locations: int, page_size: int = 1, device: torch.device | str | None = None
+    ) -> None:
+        check_int("num_locations", num_locations, minimum=1)
+        check_int("page_size", page_size, minimum=1)
+        super().__init__(num_locations + 1, device)
+        self.num_locations = num_locations
+        self.page_size = page_size
+        self.num_pages = -(-num_locations // page_size)
+
+    @property
+    def scratch_location(self) -> int:
+        """The token row that location ``-1`` maps to."""
+        return self.num_locations
+
+    @property
+    def scratch_page(self) -> int:
+        """The page row that a page of location ``-1`` maps to."""
+        return self.num_pages
+
+    def add_page_field(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        fill: float | int | bool = 0,
+    ) -> torch.Tensor:
+        """Declare a tensor of ``shape`` per page of ``page_size`` locations."""
+        rows, self.rows = self.rows, self.num_pages + 1
+        try:
+            return self.add_field(name, shape, dtype, fill)
+        finally:
+            self.rows = rows
+
+    def rows_of(self, locations: torch.Tensor) -> torch.Tensor:
+        """Token rows of ``locations`` (``-1`` → the scratch row), int64."""
+        loc = locations.long()
+        return torch.where(loc >= 0, loc, self.scratch_location)
+
+    def pages_of(self, locations: torch.Tensor) -> torch.Tensor:
+        """Page rows of ``locations`` (``-1`` → the scratch page), int64."""
+        loc = locations.long()
+        return torch.where(loc >= 0, loc // self.page_size, self.scratch_page)
+
+
+@dataclass
+class SelectorState:
+    """Everything a selector keeps between steps, for one model.
+
+    Attributes
+    ----------
+    pool:
+        Per-request state (size independent of the context length).
+    side:
+        Per-KV-location metadata (follows the KV pool), or ``None`` when the selector keeps none.
+    row_stride:
+        For contiguous layouts: the location of position ``t`` of row ``b`` is
+        ``b * row_stride + t``.
+    kv_page_size:
+        The host's KV page size for paged layouts (1 for contiguous ones).
+    nonfinite:
+        ``[1]`` int64 on the state's device: (sequence, KV head) decisions and key rows whose
+        non-finite input was skipped instead of stored. Read it when you choose
+        (:meth:`nonfinite_count` reads it on the host).
+    """
+
+    pool: SequenceStatePool
+    side: SideCache | None
+    row_stride: int
+    kv_page_size: int = 1
+    nonfinite: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
+
+    def __post_init__(self) -> None:
+        check_int("row_stride", self.row_stride, minimum=1)
+        check_int("kv_page_size", self.kv_page_size, minimum=1)
+        if self.nonfinite.device != self.pool.device:
+            self.nonfinite = self.nonfinite.to(self.pool.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def nonfinite_count(self) -> int:
+        """How many non-finite inputs were skipped so far (a host read)."""
+        return int(self.nonfinite.sum().item())
+
+    def nbytes(self) -> dict[str, int]:
+        """``{"per_request": ..., "side_cache": ...}`` bytes (from shapes; meta-safe)."""
+        return {
+            "per_request": int(self.pool.nbytes_per_request()),
+            "side_cache": self.side.nbytes() if self.side is not None else 0,
+        }

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from prhs_core._checks import (
+from prhs_core.checks import (
     check_bool_mask,
     check_float_tensor,
     check_int,

@@ -1,7 +1,39 @@
-"""PrHS kernels: Triton (GPU) and Numba (CPU) kernels, each beside a torch reference."""
+"""PrHS kernels: each op beside a torch reference, behind a typed launcher that checks its input.
 
+- :mod:`prhs_kernels.kv` -- KV locations and gathers through either layout;
+- :mod:`prhs_kernels.score` -- exact scoring of every cached key (retrieval);
+- :mod:`prhs_kernels.topk` -- top-k / top-p into fixed-width index lists;
+- :mod:`prhs_kernels.blocks` -- block reductions;
+- :mod:`prhs_kernels.compose` -- windows, dilation and union into a selection's buffers;
+- :mod:`prhs_kernels.sparse_decode` -- attention over a selection.
+
+Every op keeps shapes static and reads no device value on the host, so a decode step built from
+them can be captured in a CUDA graph. Today every op runs its torch reference; Triton (GPU) and
+Numba (CPU) paths come next, tested against the same references.
+"""
+
+from prhs_kernels.blocks import block_reduce
+from prhs_kernels.compose import dilate_indices, union_indices, window_indices, window_widths
+from prhs_kernels.kv import gather_kv, token_locations
+from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
+from prhs_kernels.topk import top_p_indices, topk_indices
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "sparse_decode_attention", "sparse_decode_attention_reference"]
+__all__ = [
+    "__version__",
+    "block_reduce",
+    "dilate_indices",
+    "gather_kv",
+    "max_key_norm",
+    "score_keys",
+    "sparse_decode_attention",
+    "sparse_decode_attention_reference",
+    "token_locations",
+    "top_p_indices",
+    "topk_indices",
+    "union_indices",
+    "window_indices",
+    "window_widths",
+]

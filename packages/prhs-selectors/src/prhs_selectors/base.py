@@ -1,167 +1,66 @@
-"""What every selector shares: budget, sink and local windows, GQA grouping, blocks and stats.
+"""What every decode selector shares: state and plan set-up, input checks, windows, GQA, stats.
 
-A method subclasses :class:`BaseSelector`, names its config class, declares its per-sequence
-fields in :meth:`BaseSelector.init_fields` and implements :meth:`BaseSelector.select_step`.
-Everything here is batched over sequences and KV heads: no Python loop over either.
+A method subclasses :class:`BaseSelector`, names its config class, declares its state in
+:meth:`BaseSelector.init_fields`, gives its static selection width in
+:meth:`BaseSelector.selection_width` and implements :meth:`BaseSelector.select_layer`. Everything
+is batched over sequences and KV heads (no Python loop over either), reads no device value on the
+host (except in a plan's ``checked`` mode, before anything changes) and writes the selection
+into the plan's buffers.
 
-GQA (SPEC.md §1): one decision per KV head; a position's score for a KV head is the mean of
-its ``g`` query heads' attention probabilities (query head ``h`` belongs to KV head ``h // g``).
+GQA: one decision per KV head; a position's score for a KV head is the mean of its ``g`` query
+heads' attention probabilities (query head ``h`` belongs to KV head ``h // g``).
+
+Non-finite input: a (sequence, KV head) whose query holds a NaN or an infinity is *skipped*: it
+reads only its sink and local windows, its persistent state is left as it was, and it is counted
+in ``state.nonfinite``. A checked plan raises instead, before anything changes. Key rows written
+through :meth:`BaseSelector.write_kv` are treated the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from prhs_core._checks import check_int
+from prhs_core.checks import check_float_tensor, check_index_tensor, check_int, check_values_finite
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.protocols import DecodeStep
-from prhs_core.selection import Selection, StepStats
-from prhs_core.state import SequenceStatePool
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
+from prhs_core.selection import Selection
+from prhs_core.state import SelectorState, SequenceStatePool, SideCache
+from prhs_kernels.blocks import block_reduce
+from prhs_kernels.compose import union_indices, window_indices, window_widths
+from prhs_kernels.score import check_query, score_keys
+from prhs_kernels.topk import topk_indices
 
-__all__ = [
-    "BaseSelector",
-    "GroupScores",
-    "block_any",
-    "block_max",
-    "block_sum",
-    "exact_group_scores",
-    "exact_logits64",
-    "make_selection",
-    "topk_mask",
-    "window_mask",
-]
+__all__ = ["ROW_STRIDE_ALIGN", "BaseSelector", "group_probs", "nonfinite_rows"]
 
-NEG_INF = float("-inf")
+ROW_STRIDE_ALIGN = 256
+"""Contiguous layouts: side-cache rows are ``max_seq_len`` rounded up to this many locations, so
+every page or block size up to it starts on a page boundary."""
 
 
-@dataclass(frozen=True)
-class GroupScores:
-    """Exact attention scores of every cached key (what a retrieval reads).
-
-    Attributes
-    ----------
-    logits:
-        ``[B, Hkv, g, T]`` float32 logits per query head, ``-inf`` past each sequence's end.
-    probs:
-        ``[B, Hkv, T]`` the group-mean attention probability of each position.
-    valid:
-        ``[B, T]`` which positions exist.
-    key_norms:
-        ``[B, Hkv, T]`` ``‖k_i‖`` (0 past the end).
-    """
-
-    logits: torch.Tensor
-    probs: torch.Tensor
-    valid: torch.Tensor
-    key_norms: torch.Tensor
+def group_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, T]``: the group-mean attention probability of ``logits [B, Hkv, g, T]``."""
+    return torch.softmax(logits, dim=-1).mean(2)
 
 
-def exact_group_scores(step: DecodeStep) -> GroupScores:
-    """Score every cached key of ``step`` exactly (float32)."""
-    cache = step.cache
-    b, hq, d = step.query.shape
-    hkv = cache.num_kv_heads
-    keys = cache.keys().float()  # [B, Hkv, T, D]
-    q = step.query.reshape(b, hkv, hq // hkv, d).float()
-    valid = cache.valid_mask()
-    logits = torch.einsum("bhgd,bhtd->bhgt", q, keys) * step.scaling
-    logits = logits.masked_fill(~valid.view(b, 1, 1, -1), NEG_INF)
-    probs = torch.softmax(logits, dim=-1).mean(2)
-    return GroupScores(logits, probs, valid, keys.norm(dim=-1))
-
-
-def exact_logits64(step: DecodeStep) -> torch.Tensor:
-    """``[B, Hkv, g, T]`` float64 logits of every cached key, ``-inf`` past each end.
-
-    For quantities that are certified (a dropped mass that a bound is built on), where float32
-    rounding of the logits would show as a spurious violation.
-    """
-    cache = step.cache
-    b, hq, d = step.query.shape
-    hkv = cache.num_kv_heads
-    q = step.query.reshape(b, hkv, hq // hkv, d).double()
-    logits = torch.einsum("bhgd,bhtd->bhgt", q, cache.keys().double()) * step.scaling
-    return logits.masked_fill(~cache.valid_mask().view(b, 1, 1, -1), NEG_INF)
-
-
-def window_mask(seq_lens: torch.Tensor, max_len: int, n_sink: int, n_local: int) -> torch.Tensor:
-    """``[B, max_len]`` bool: each row's first ``n_sink`` and last ``n_local`` positions."""
-    t = torch.arange(max_len, device=seq_lens.device).view(1, -1)
-    lens = seq_lens.view(-1, 1)
-    return ((t < n_sink) | (t >= lens - n_local)) & (t < lens)
-
-
-def topk_mask(scores: torch.Tensor, k: int, eligible: torch.Tensor) -> torch.Tensor:
-    """``[..., T]`` bool: the ``k`` highest ``scores`` among ``eligible`` positions (fewer if
-    fewer are eligible). Ties go to the lower position."""
-    t = scores.shape[-1]
-    kk = min(k, t)
-    if kk == 0:
-        return torch.zeros_like(eligible)
-    masked = scores.masked_fill(~eligible, NEG_INF)
-    # A stable descending sort breaks ties by position, unlike topk.
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]
-    picked = torch.zeros_like(eligible).scatter_(-1, order, True)
-    return picked & eligible
-
-
-def _pad_to_blocks(x: torch.Tensor, s: int, fill: float | bool) -> torch.Tensor:
-    t = x.shape[-1]
-    nb = -(-t // s)
-    if nb * s != t:
-        pad = torch.full((*x.shape[:-1], nb * s - t), fill, dtype=x.dtype, device=x.device)
-        x = torch.cat([x, pad], dim=-1)
-    return x.view(*x.shape[:-1], nb, s)
-
-
-def block_max(scores: torch.Tensor, s: int) -> torch.Tensor:
-    """``[..., ceil(T/s)]``: the max score of each aligned block of ``s`` positions."""
-    return _pad_to_blocks(scores, s, NEG_INF).amax(-1)
-
-
-def block_sum(values: torch.Tensor, s: int) -> torch.Tensor:
-    """``[..., ceil(T/s)]``: the sum of each aligned block of ``s`` positions."""
-    return _pad_to_blocks(values, s, 0.0).sum(-1)
-
-
-def block_any(mask: torch.Tensor, s: int) -> torch.Tensor:
-    """``[..., ceil(T/s)]``: whether any position of each aligned block is set."""
-    return _pad_to_blocks(mask, s, False).any(-1)
-
-
-def make_selection(
-    mask: torch.Tensor,
-    block_size: int,
-    seq_lens: torch.Tensor,
-    *,
-    retrieved: torch.Tensor,
-    proxy_bytes: torch.Tensor | None = None,
-    delta_hat: torch.Tensor | None = None,
-) -> Selection:
-    """A :class:`Selection` (with stats) from a ``[B, Hkv, n]`` mask of positions or blocks."""
-    base = Selection.from_mask(mask)
-    sel = Selection(base.indices, block_size)
-    _, hkv, n = mask.shape
-    t = n * block_size
-    num = sel.to_mask(seq_lens, t, hkv).sum(-1)
-    stats = StepStats(retrieved, num, delta_hat, proxy_bytes)
-    return Selection(sel.indices, block_size, stats)
+def nonfinite_rows(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, Hkv]`` bool: KV heads whose group of queries holds a non-finite value."""
+    b, hq, _ = query.shape
+    bad = ~torch.isfinite(query).all(-1)  # [B, Hq]
+    return bad.view(b, num_kv_heads, hq // num_kv_heads).any(-1)
 
 
 class BaseSelector:
-    """Shared machinery of the decode selectors.
-
-    Subclasses set ``name`` and ``config_type`` and implement :meth:`select_step`; those with
-    per-sequence memory also implement :meth:`init_fields`.
-    """
+    """Shared machinery of the decode selectors; see the module docstring."""
 
     name: ClassVar[str] = "base"
-    config_type: ClassVar[type[SelectorConfig]] = SelectorConfig
+    config_type: ClassVar[type[Any]] = SelectorConfig
+    certifies: ClassVar[bool] = False
+    """Whether :attr:`prhs_core.selection.StepStats.delta_hat` is written."""
 
-    def __init__(self, config: SelectorConfig | None = None) -> None:
+    def __init__(self, config: Any | None = None) -> None:
         if config is None:
             config = self.config_type()
         if not isinstance(config, self.config_type):
@@ -171,86 +70,307 @@ class BaseSelector:
             )
         self.config = config
         self.spec: AttentionSpec | None = None
-        self.max_seq_len = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
+
+    # -- static geometry ------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        """``s``: entries of this selector's selections are ``s``-blocks."""
+        return int(getattr(self.config, "block_size", 1))
+
+    def budget_blocks(self) -> int:
+        """The budget in blocks: ``max(1, k // s)``."""
+        return max(1, self.config.budget // self.block_size)
+
+    def window_widths(self) -> tuple[int, int]:
+        """Static widths of the sink and local block lists."""
+        c = self.config
+        return window_widths(c.n_sink, c.n_local, self.block_size)
+
+    def selection_width(self) -> int:
+        """``K_max``, the static width of this selector's selections (in entries)."""
+        raise NotImplementedError
+
+    def side_page_size(self) -> int:
+        """Locations per page of this selector's page-level side-cache fields (1: none)."""
+        return 1
 
     # -- state ----------------------------------------------------------------------------
     def init_state(
         self,
         spec: AttentionSpec,
+        *,
         capacity: int,
         max_seq_len: int,
+        num_kv_locations: int | None = None,
+        kv_page_size: int = 1,
+        kv_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
-    ) -> SequenceStatePool:
-        """A pool for ``capacity`` sequences of up to ``max_seq_len`` positions of ``spec``."""
+    ) -> SelectorState:
+        """State for ``capacity`` requests of up to ``max_seq_len`` positions of ``spec``.
+
+        ``num_kv_locations``: slots of the host's KV pool (paged layouts); ``None`` for a
+        contiguous cache of ``capacity`` rows, whose locations are ``b * row_stride + t``.
+        ``kv_page_size``: the pool's page size. ``kv_dtype``: the cache dtype (side caches that
+        hold keys store them in it).
+        """
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        check_int("capacity", capacity, minimum=1)
         check_int("max_seq_len", max_seq_len, minimum=1)
+        check_int("kv_page_size", kv_page_size, minimum=1)
+        if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
+            raise TypeError(f"kv_dtype must be a floating torch.dtype, got {kv_dtype!r}")
+        row_stride = -(-max_seq_len // ROW_STRIDE_ALIGN) * ROW_STRIDE_ALIGN
+        page = self.side_page_size()
+        paged = num_kv_locations is not None
+        if num_kv_locations is None:
+            num_kv_locations = capacity * row_stride
+        check_int("num_kv_locations", num_kv_locations, minimum=1)
+        if paged and page > 1 and kv_page_size % page:
+            raise ValueError(
+                f"{self.name} keeps metadata per page of {page} KV slots, so a paged KV pool "
+                f"must have a page size that is a multiple of {page} (got {kv_page_size}); "
+                f"e.g. run SGLang with --page-size {page}"
+            )
         pool = SequenceStatePool(capacity, device)
+        side = SideCache(num_kv_locations, page, device) if self.uses_side_cache() else None
+        state = SelectorState(pool, side, row_stride, kv_page_size)
+        self.init_fields(state, spec, kv_dtype)
         self.spec = spec
-        self.max_seq_len = max_seq_len
-        self.init_fields(pool, spec, max_seq_len)
-        return pool
+        return state
 
-    def init_fields(self, pool: SequenceStatePool, spec: AttentionSpec, max_seq_len: int) -> None:
-        """Declare per-sequence fields (none by default)."""
+    def uses_side_cache(self) -> bool:
+        """Whether this selector keeps metadata per KV location."""
+        return False
 
-    # -- selection ------------------------------------------------------------------------
-    def select(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        """Validate ``step`` against the model the state was made for, then select."""
-        if not isinstance(step, DecodeStep):
-            raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
-        spec = self.spec
-        if spec is None:
-            raise RuntimeError(f"{self.name}: call init_state(...) before select(...)")
-        if step.layer >= spec.num_layers:
-            raise ValueError(f"layer {step.layer} is out of range for {spec.num_layers} layers")
-        if step.layer not in spec.selectable_layers:
-            raise ValueError(f"layer {step.layer} is a sliding-window layer; it is not selected")
-        if step.cache.num_kv_heads != spec.num_kv_heads or step.query.shape[1] != spec.num_q_heads:
+    def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
+        """Declare per-request fields (``state.pool``) and side-cache fields (``state.side``)."""
+
+    # -- plan -----------------------------------------------------------------------------
+    def make_plan(
+        self,
+        state: SelectorState,
+        *,
+        batch_size: int,
+        scaling: float,
+        stats: bool = False,
+        checked: bool = False,
+    ) -> DecodePlan:
+        """A plan for batches of ``batch_size`` rows, with this selector's selection buffers."""
+        spec = self._spec()
+        return DecodePlan(
+            state,
+            batch_size=batch_size,
+            num_kv_heads=spec.num_kv_heads,
+            num_layers=spec.num_layers,
+            width=self.selection_width(),
+            block_size=self.block_size,
+            scaling=scaling,
+            stats=stats,
+            certified=self.certifies,
+            checked=checked,
+        )
+
+    def _spec(self) -> AttentionSpec:
+        if self.spec is None:
+            raise RuntimeError(f"{self.name}: call init_state(...) first")
+        return self.spec
+
+    # -- the two per-layer entry points ---------------------------------------------------
+    def select(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+    ) -> Selection | None:
+        """Check the inputs (shapes always; values too in a checked plan), then select."""
+        spec = self._spec()
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
+        if plan.state is not state:
+            raise ValueError("plan was made for another state: make_plan(state, ...) first")
+        check_int("layer", layer, minimum=0)
+        if layer >= spec.num_layers:
+            raise ValueError(f"layer {layer} is out of range for {spec.num_layers} layers")
+        if layer not in spec.selectable_layers:
+            raise ValueError(f"layer {layer} is a sliding-window layer; it is not selected")
+        check_query(query, kv)
+        if kv.num_kv_heads != spec.num_kv_heads or query.shape[1] != spec.num_q_heads:
             raise ValueError(
-                f"step has Hq={step.query.shape[1]}, Hkv={step.cache.num_kv_heads}; the state "
-                f"was made for Hq={spec.num_q_heads}, Hkv={spec.num_kv_heads}"
+                f"step has Hq={query.shape[1]}, Hkv={kv.num_kv_heads}; the state was made for "
+                f"Hq={spec.num_q_heads}, Hkv={spec.num_kv_heads}"
             )
-        if step.cache.max_seq_len > self.max_seq_len:
+        if kv.batch_size != plan.batch_size:
             raise ValueError(
-                f"sequence length {step.cache.max_seq_len} exceeds the state's max_seq_len "
-                f"{self.max_seq_len}"
+                f"the cache holds {kv.batch_size} rows but the plan was made for "
+                f"batch_size={plan.batch_size}"
             )
-        return self.select_step(step, state)
+        if plan.selection.width != self.selection_width() or plan.selection.block_size != (
+            self.block_size
+        ):
+            raise ValueError("plan was made by another selector: use this selector's make_plan")
+        if plan.checked:
+            kv.check_values()
+            if not torch.equal(kv.seq_lens.cpu(), plan.seq_lens.cpu()):
+                raise ValueError("kv.seq_lens differ from the plan's: build kv from plan.seq_lens")
+            check_values_finite("query", query, where=f" (layer {layer})")
+        bad = nonfinite_rows(query, kv.num_kv_heads)
+        state.nonfinite.add_(bad.sum())
+        return self.select_layer(plan, layer, query, kv, state, bad)
 
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        """The method itself (``step`` already validated)."""
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
+        """The method itself (inputs checked; ``bad [B, Hkv]`` marks skipped rows)."""
         raise NotImplementedError
 
+    def write_kv(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """The host wrote ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at KV ``locations [n]``
+        (int, distinct; ``-1`` for none): update the side caches. Non-finite key rows are
+        skipped and counted."""
+        spec = self._spec()
+        check_int("layer", layer, minimum=0)
+        if layer >= spec.num_layers:
+            raise ValueError(f"layer {layer} is out of range for {spec.num_layers} layers")
+        check_index_tensor("locations", locations, ndim=1)
+        check_float_tensor("key", key, ndim=3)
+        check_float_tensor("value", value, ndim=3)
+        n = locations.shape[0]
+        if key.shape[0] != n or value.shape[0] != n or key.shape[1] != spec.num_kv_heads:
+            raise ValueError(
+                f"key [n, Hkv, D] and value [n, Hkv, Dv] must have n={n} rows (one per location) "
+                f"and Hkv={spec.num_kv_heads}, got {list(key.shape)} and {list(value.shape)}"
+            )
+        if state.side is None or layer not in spec.selectable_layers:
+            return
+        bad = ~torch.isfinite(key).flatten(1).all(-1)  # [n]
+        state.nonfinite.add_(bad.sum())
+        loc = torch.where(bad, -1, locations.long())
+        self.write_side(state, layer, loc, key, value)
+
+    def write_side(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Update the side cache (selectors that keep one); ``locations`` ``-1``: skip."""
+
     # -- helpers for subclasses -----------------------------------------------------------
-    def windows(self, step: DecodeStep) -> torch.Tensor:
-        """``[B, 1, T]`` the sink and local windows, always selected."""
+    def num_blocks(self, kv: KVLayout) -> torch.Tensor:
+        """``[B]`` blocks of each sequence, ``ceil(seq_lens / s)``."""
+        s = self.block_size
+        return (kv.seq_lens + (s - 1)) // s
+
+    def windows(self, kv: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids of the sink and local windows, ``([B, ws], [B, wl])``."""
         c = self.config
-        return window_mask(step.cache.seq_lens, step.cache.max_seq_len, c.n_sink, c.n_local)[
-            :, None
-        ]
+        return window_indices(kv.seq_lens, c.n_sink, c.n_local, self.block_size)
 
-    def budget_blocks(self) -> int:
-        """The budget in blocks: ``max(1, k // s)``."""
-        return max(1, self.config.budget // self.config.block_size)
+    def window_block_mask(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
+        """``[B, NB]`` bool: blocks holding a sink or local position."""
+        c, s = self.config, self.block_size
+        lens = kv.seq_lens.view(-1, 1)
+        j = torch.arange(n_blocks_total, device=lens.device, dtype=torch.int32).view(1, -1)
+        sink_end = (torch.clamp(lens, max=c.n_sink) + s - 1) // s
+        first_local = torch.clamp(lens - c.n_local, min=0) // s
+        local = (j >= first_local) if c.n_local > 0 else torch.zeros_like(j, dtype=torch.bool)
+        return ((j < sink_end) | local) & (j < (lens + s - 1) // s)
 
-    def retrieval_bytes(self, step: DecodeStep) -> torch.Tensor:
-        """``[B, 1]`` bytes of keys read by scoring every cached key."""
-        d = step.cache.head_dim
-        return step.cache.seq_lens.view(-1, 1).to(torch.float64) * d * step.query.element_size()
+    def block_eligible(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
+        """``[B, NB]`` bool: existing blocks outside the windows (what top-k may pick)."""
+        s = self.block_size
+        j = torch.arange(n_blocks_total, device=kv.seq_lens.device, dtype=torch.int32)
+        exists = j.view(1, -1) < ((kv.seq_lens + s - 1) // s).view(-1, 1)
+        return exists & ~self.window_block_mask(kv, n_blocks_total)
 
-    def topk_with_windows(self, step: DecodeStep, scores: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, n]`` (positions, or blocks when ``s > 1``): the windows plus the top
-        ``k`` (or ``k/s`` blocks, by their max score) of the remaining positions."""
-        win = self.windows(step).expand_as(scores)
-        valid = step.cache.valid_mask()[:, None].expand_as(scores)
-        s = self.config.block_size
-        if s == 1:
-            return topk_mask(scores, self.config.budget, valid & ~win) | win
-        win_b = block_any(win, s)
-        valid_b = block_any(valid, s)
-        picked = topk_mask(block_max(scores, s), self.budget_blocks(), valid_b & ~win_b)
-        return picked | win_b
+    def exact_probs(self, plan: DecodePlan, query: torch.Tensor, kv: KVLayout) -> torch.Tensor:
+        """``[B, Hkv, T]`` float32 group-mean probabilities of every position (a retrieval)."""
+        return group_probs(score_keys(query, kv, plan.scaling))
+
+    def topk_blocks(
+        self, kv: KVLayout, probs: torch.Tensor, k_blocks: int, bad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The top ``k_blocks`` blocks by their max group probability outside the windows:
+        ``(indices [B, Hkv, k], counts [B, Hkv], block_scores [B, Hkv, NB])``."""
+        block_scores = block_reduce(probs, self.block_size, "max")
+        eligible = self.block_eligible(kv, block_scores.shape[-1]).unsqueeze(1) & ~bad.unsqueeze(-1)
+        idx, cnt = topk_indices(block_scores, k_blocks, eligible.expand_as(block_scores))
+        return idx, cnt, block_scores
+
+    def compose(self, plan: DecodePlan, kv: KVLayout, *parts: torch.Tensor) -> Selection:
+        """Write ``sink ∪ parts ∪ local`` into the plan's selection and return it."""
+        sink, local = self.windows(kv)
+        sel = plan.selection
+        union_indices([sink, *parts, local], self.num_blocks(kv), sel.indices, sel.counts)
+        return sel
+
+    def retrieval_bytes(self, kv: KVLayout) -> torch.Tensor:
+        """``[B, 1]`` float64 bytes of keys read by scoring every cached key."""
+        elem = torch.empty((), dtype=kv.dtype).element_size()
+        return kv.seq_lens.view(-1, 1).to(torch.float64) * (kv.head_dim * elem)
+
+    def record(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        kv: KVLayout,
+        selection: Selection | None,
+        retrieved: torch.Tensor | None,
+        proxy_bytes: torch.Tensor | None,
+        delta_hat: torch.Tensor | None = None,
+    ) -> None:
+        """Write the step's statistics into the plan (when it keeps them) and add them to its
+        totals. ``retrieved`` / ``proxy_bytes`` broadcast to ``[B, Hkv]`` (``None``: none)."""
+        st = plan.stats
+        if st is None:
+            return
+        b, h = st.retrieved.shape
+        if retrieved is None:
+            st.retrieved.zero_()
+        else:
+            st.retrieved.copy_(retrieved.expand(b, h))
+        if proxy_bytes is None:
+            st.proxy_bytes.zero_()
+        else:
+            st.proxy_bytes.copy_(proxy_bytes.expand(b, h))
+        if selection is None:
+            st.num_selected.copy_(kv.seq_lens.view(-1, 1).expand(b, h))
+        else:
+            st.num_selected.copy_(selection.num_tokens(kv.seq_lens))
+        if st.delta_hat is not None:
+            if delta_hat is None:
+                st.delta_hat.fill_(float("nan"))
+            else:
+                st.delta_hat.copy_(delta_hat)
+        assert plan.totals is not None
+        live = (plan.slots != plan.state.pool.scratch_slot).view(-1, 1).double()
+        row = torch.stack(
+            [
+                (live * torch.ones(b, h, dtype=torch.float64, device=live.device)).sum(),
+                (live * st.retrieved.double()).sum(),
+                (live * st.num_selected.double()).sum(),
+                (live * st.proxy_bytes).sum(),
+            ]
+        )
+        plan.totals[layer] += row

@@ -28,26 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
-from prhs_core._checks import check_int, check_probability
+from prhs_core.checks import check_int, check_probability
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.protocols import DecodeStep
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
-from prhs_core.state import SequenceStatePool
-from prhs_core.theory import log_reuse_certificate, ranks_from_order
-from prhs_selectors.base import (
-    BaseSelector,
-    GroupScores,
-    block_any,
-    block_max,
-    block_sum,
-    exact_group_scores,
-    exact_logits64,
-    make_selection,
-    topk_mask,
-)
+from prhs_core.state import SelectorState
+from prhs_core.theory import log_reuse_certificate
+from prhs_kernels.blocks import block_reduce
+from prhs_kernels.compose import dilate_indices
+from prhs_kernels.kv import gather_kv
+from prhs_kernels.score import max_key_norm, score_keys
+from prhs_kernels.topk import top_p_indices, topk_indices
+from prhs_selectors.base import BaseSelector, group_probs
 
-__all__ = ["CIS", "CISConfig", "dilate_blocks", "group_log_dropped_mass"]
+__all__ = ["CIS", "CISConfig", "group_log_dropped_mass"]
 
 NEG_INF = float("-inf")
 
@@ -141,32 +137,31 @@ class CISConfig(SelectorConfig):
         return self.k_max if self.k_max is not None else 4 * self.budget
 
 
-def dilate_blocks(anchor: torch.Tensor, score: torch.Tensor, m: int, r: int) -> torch.Tensor:
-    """``dilate(S_a)``: ``S_a`` plus ``p ± j`` (``1 ≤ j ≤ r``) for its top ``m`` entries by score.
-
-    ``anchor``: ``[..., n]`` bool; ``score``: ``[..., n]``. Neighbours past either end are dropped.
-    """
-    out = anchor.clone()
-    if m <= 0 or r <= 0:
-        return out
-    top = topk_mask(score, m, anchor)
-    for j in range(1, r + 1):
-        out[..., j:] |= top[..., :-j]
-        out[..., :-j] |= top[..., j:]
-    return out
-
-
 def group_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``log`` of the group-mean dropped mass, float64; ``logits [B, H, g, T]``, ``keep [B, H, T]``.
 
-    The group's dropped mass is the mean of its query heads' (GQA, SPEC §1); each head's is
-    computed as its dropped set's own mass in log space (SPEC §2.7).
+    The group's dropped mass is the mean of its query heads' (GQA); each head's is computed as
+    its dropped set's own mass in log space, never as ``1 − τ`` (see the Theory page).
     """
     lg = logits.double()
     lse_all = torch.logsumexp(lg, dim=-1)
     lse_drop = torch.logsumexp(lg.masked_fill(keep.unsqueeze(2), NEG_INF), dim=-1)
     per_head = lse_drop - lse_all  # [B, H, g]
     return torch.logsumexp(per_head, dim=-1) - math.log(per_head.shape[-1])
+
+
+def _token_mask(parts: list[torch.Tensor], s: int, t: int, lens: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T]`` bool: the positions of the blocks listed in ``parts`` (``[B, H, w]`` or
+    ``[B, w]``, ``-1`` for none), clipped to each length."""
+    b = lens.shape[0]
+    h = max(p.shape[1] for p in parts if p.ndim == 3)
+    ids = torch.cat([(p if p.ndim == 3 else p.unsqueeze(1)).expand(b, h, -1) for p in parts], -1)
+    nb = -(-t // s)
+    blocks = torch.zeros(b, h, nb + 1, dtype=torch.bool, device=ids.device)
+    blocks.scatter_(-1, torch.where(ids >= 0, ids.long().clamp(max=nb), nb), True)
+    mask = blocks[..., :nb].repeat_interleave(s, dim=-1)[..., :t]
+    pos = torch.arange(t, device=ids.device).view(1, 1, -1)
+    return mask & (pos < lens.view(-1, 1, 1))
 
 
 @selectors.register(
@@ -177,189 +172,164 @@ class CIS(BaseSelector):
     Long-Context Inference", arXiv:2602.08329), in paper or certified mode; see the module
     docstring for the rules and :class:`CISConfig` for the hyperparameters.
 
-    Per-sequence state (per layer and KV head): the anchor's queries ``[g, D]``, its length
-    ``t_a``, its critical blocks and their anchor scores, ``log δ_a`` and ``K_max``.
+    Per-request state (per layer and KV head), independent of the context length: the anchor's
+    queries ``[g, D]``, its length ``t_a``, its critical blocks as an index list ordered by
+    anchor score (so the top ``m`` are its first ``m`` entries), ``log δ_a`` and ``K_max``.
+
+    The selection's static width is ``ws + M + 2·r·m + wl`` entries: the sink and local
+    windows, the anchor list (``M = k/s`` blocks, or the certified cap) and its dilation.
     """
 
     name = "cis"
     config_type = CISConfig
     config: CISConfig
 
-    def init_fields(self, pool: SequenceStatePool, spec: AttentionSpec, max_seq_len: int) -> None:
+    @property
+    def certifies(self) -> bool:  # type: ignore[override]
+        return self.config.certified
+
+    def anchor_width(self) -> int:
+        """``M``: entries of an anchor list (``k/s`` blocks, or the certified cap in blocks)."""
+        c = self.config
+        if c.certified:
+            return max(1, c.retrieval_cap // c.block_size)
+        return self.budget_blocks()
+
+    def dilation_m(self) -> int:
+        """``m = ⌊(k/s) / n_den⌋``: how many of the anchor's top blocks are dilated."""
+        return self.budget_blocks() // self.config.n_den
+
+    def selection_width(self) -> int:
+        ws, wl = self.window_widths()
+        return ws + self.anchor_width() + 2 * self.config.r * self.dilation_m() + wl
+
+    def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
-        nb = -(-max_seq_len // self.config.block_size)
+        m = self.anchor_width()
+        pool = state.pool
         pool.add_field("anchor_q", (n_l, h, g, d), torch.float32)
-        pool.add_field("anchor_len", (n_l, h), torch.long, 0)
-        pool.add_field("anchor_set", (n_l, h, nb), torch.bool, False)
-        pool.add_field("anchor_score", (n_l, h, nb), torch.float32, 0.0)
+        pool.add_field("anchor_len", (n_l, h), torch.int32, 0)
+        pool.add_field("anchor_idx", (n_l, h, m), torch.int32, -1)
+        pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
         pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
 
-    # -- pieces -----------------------------------------------------------------------------
-    def _dilation_m(self) -> int:
-        return self.budget_blocks() // self.config.n_den
-
-    def _reuse_blocks(
-        self, anchor_set: torch.Tensor, anchor_score: torch.Tensor, nb: int
-    ) -> torch.Tensor:
-        c = self.config
-        return dilate_blocks(anchor_set[..., :nb], anchor_score[..., :nb], self._dilation_m(), c.r)
-
-    def _retrieve_blocks(
-        self,
-        scores: GroupScores,
-        block_score: torch.Tensor,
-        win_b: torch.Tensor,
-        valid_b: torch.Tensor,
-        sink_b: torch.Tensor,
-    ) -> torch.Tensor:
-        """``S_a`` for a retrieval, ``[B, H, nb]`` blocks (sink and local blocks excluded).
-
-        ``block_score`` is each block's max group probability; the masks are ``[B, H, nb]``.
-        """
-        c = self.config
-        if not c.certified:
-            return topk_mask(block_score, self.budget_blocks(), valid_b & ~win_b)
-        # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped.
-        mass = block_sum(scores.probs.double(), c.block_size)
-        kept_sink = (mass * sink_b).sum(-1, keepdim=True)
-        cand = mass.masked_fill(~(valid_b & ~sink_b), NEG_INF)
-        sorted_mass, order = torch.sort(cand, dim=-1, descending=True, stable=True)
-        dropped_after = 1.0 - kept_sink - torch.cumsum(sorted_mass.clamp_min(0), dim=-1)
-        need = 1 + (dropped_after > c.retrieval_target).sum(-1, keepdim=True)
-        need = need.clamp(max=max(1, c.retrieval_cap // c.block_size))
-        return (ranks_from_order(order) < need) & valid_b & ~sink_b
-
-    def _to_tokens(self, blocks: torch.Tensor, t: int) -> torch.Tensor:
-        s = self.config.block_size
-        return blocks.repeat_interleave(s, dim=-1)[..., :t]
-
     # -- the step ---------------------------------------------------------------------------
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
         c = self.config
-        cache = step.cache
-        b, hq, d = step.query.shape
-        h = cache.num_kv_heads
+        b, hq, d = query.shape
+        h = kv.num_kv_heads
         g = hq // h
         s = c.block_size
-        t_max = cache.max_seq_len
-        nb = -(-t_max // s)
-        layer, slots = step.layer, step.slots
-        dev = step.query.device
-        seq_lens = cache.seq_lens.view(-1, 1)  # [B, 1]
+        m_width = self.anchor_width()
+        pool, slots = state.pool, plan.slots
+        lens = kv.seq_lens.view(-1, 1)  # [B, 1] int32
 
-        q = step.query.reshape(b, h, g, d).float()
-        qa = state["anchor_q"][slots, layer]
-        ta = state["anchor_len"][slots, layer]
-        a_set = state["anchor_set"][slots, layer]
-        a_score = state["anchor_score"][slots, layer]
-        a_logd = state["anchor_log_delta"][slots, layer]
-        a_kmax = state["anchor_kmax"][slots, layer]
+        q = query.reshape(b, h, g, d).float()
+        qa = pool["anchor_q"][slots, layer]
+        ta = pool["anchor_len"][slots, layer]
+        a_idx = pool["anchor_idx"][slots, layer]
+        a_cnt = pool["anchor_cnt"][slots, layer]
+        a_logd = pool["anchor_log_delta"][slots, layer]
+        a_kmax = pool["anchor_kmax"][slots, layer]
 
-        reuse = (ta > 0) & (seq_lens - ta <= c.n_local) & (seq_lens >= ta)
+        reuse = (ta > 0) & (lens - ta <= c.n_local) & (lens >= ta)
         if c.require_cosine:
             cos = torch.nn.functional.cosine_similarity(q.flatten(-2), qa.flatten(-2), dim=-1)
             reuse &= cos >= c.tau
         log_dhat: torch.Tensor | None = None
         if c.certified:
-            # K_max over every key: the anchor's, and the (at most n_local) keys added since.
-            offs = torch.arange(c.n_local + 1, device=dev)
-            new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local+1]
-            new_pos = torch.where(new_pos < seq_lens.unsqueeze(-1), new_pos, -1)
-            new_keys, _ = cache.gather(new_pos)
+            # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
+            offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
+            new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]
+            new_pos = torch.where(new_pos < lens.unsqueeze(-1), new_pos, -1)
+            new_keys, _ = gather_kv(kv, new_pos, values=False)
             kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
-            eps = (q - qa).norm(dim=-1).amax(-1) * kmax * step.scaling  # max over the group
+            eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
             log_dhat = log_reuse_certificate(a_logd, eps.double())
             reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
+        reuse &= ~bad
+        retrieve = ~reuse & ~bad
 
-        win_b = block_any(self.windows(step).expand(b, h, t_max), s)
-        valid_b = block_any(cache.valid_mask()[:, None].expand(b, h, t_max), s)
-        chosen = (self._reuse_blocks(a_set, a_score, nb) | win_b) & valid_b
-        retrieve = ~reuse
-        delta_hat = torch.exp(log_dhat).float() if log_dhat is not None else None
-        proxy = torch.full((b, h), float(g * d * 4), dtype=torch.float64, device=dev)
-
-        if bool(retrieve.any()):
-            scores = exact_group_scores(step)
-            sink_b = block_any(self._sink_tokens(b, h, t_max, dev), s)
-            new_score = block_max(scores.probs, s)
-            new_set = self._retrieve_blocks(scores, new_score, win_b, valid_b, sink_b)
-            fresh = (new_set | win_b) & valid_b
-            chosen = torch.where(retrieve.unsqueeze(-1), fresh, chosen)
-            if c.certified:
-                # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests
-                # on: float64 logits.
-                logits64 = exact_logits64(step)
-                valid = scores.valid[:, None]
-                anchor_keep = self._to_tokens(
-                    self._reuse_blocks(new_set, new_score, nb) | sink_b, t_max
-                )
-                log_d_anchor = group_log_dropped_mass(logits64, anchor_keep & valid)
-                read = self._to_tokens(fresh, t_max) & valid
-                exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
-                assert delta_hat is not None
-                delta_hat = torch.where(retrieve, exact, delta_hat)
-            else:
-                log_d_anchor = torch.zeros(b, h, dtype=torch.float64, device=dev)
-            kmax_all = scores.key_norms.amax(-1)
-            self._write_anchor(
-                state,
-                layer,
-                slots,
-                retrieve,
-                q,
-                seq_lens.expand(b, h),
-                new_set,
-                new_score,
-                log_d_anchor,
-                kmax_all,
-                qa,
-                ta,
-                a_set,
-                a_score,
-                a_logd,
-                a_kmax,
-                nb,
-            )
-            proxy = torch.where(retrieve, self.retrieval_bytes(step).expand(b, h), proxy)
-
-        return make_selection(
-            chosen, s, cache.seq_lens, retrieved=retrieve, proxy_bytes=proxy, delta_hat=delta_hat
+        # A reuse reads sink ∪ dilate(S_a) ∪ local.
+        used = torch.arange(m_width, device=lens.device) < a_cnt.unsqueeze(-1)
+        reuse_part = torch.cat(
+            [torch.where(used, a_idx, -1), dilate_indices(a_idx, a_cnt, self.dilation_m(), c.r)],
+            -1,
         )
 
-    def _sink_tokens(self, b: int, h: int, t: int, dev: torch.device) -> torch.Tensor:
-        pos = torch.arange(t, device=dev).view(1, 1, -1)
-        return (pos < self.config.n_sink).expand(b, h, t)
+        # A retrieval scores every key (here for every row, to keep shapes static; the Triton
+        # path scores only the retrieving heads) and reads sink ∪ S_new ∪ local.
+        logits = score_keys(query, kv, plan.scaling)
+        probs = group_probs(logits)
+        new_idx, new_cnt, _ = self._retrieve(kv, probs, bad)
+        pad = reuse_part.shape[-1] - m_width
+        new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
+        part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
+        sel = self.compose(plan, kv, part)
 
-    def _write_anchor(
-        self,
-        state: SequenceStatePool,
-        layer: int,
-        slots: torch.Tensor,
-        retrieve: torch.Tensor,
-        q: torch.Tensor,
-        t: torch.Tensor,
-        new_set: torch.Tensor,
-        new_score: torch.Tensor,
-        new_logd: torch.Tensor,
-        new_kmax: torch.Tensor,
-        qa: torch.Tensor,
-        ta: torch.Tensor,
-        a_set: torch.Tensor,
-        a_score: torch.Tensor,
-        a_logd: torch.Tensor,
-        a_kmax: torch.Tensor,
-        nb: int,
-    ) -> None:
-        """Make the step's query the anchor of every retrieving (sequence, head)."""
+        delta_hat = None
+        log_d_anchor = torch.zeros(b, h, dtype=torch.float64, device=lens.device)
+        new_kmax = a_kmax
+        if c.certified:
+            # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests on:
+            # float64 logits.
+            logits64 = score_keys(query, kv, plan.scaling, dtype=torch.float64)
+            t = kv.max_len
+            sink, local = self.windows(kv)
+            dil = dilate_indices(new_idx, new_cnt, self.dilation_m(), c.r)
+            anchor_keep = _token_mask([new_idx, dil, sink], s, t, kv.seq_lens)
+            log_d_anchor = group_log_dropped_mass(logits64, anchor_keep)
+            read = _token_mask([new_idx, sink, local], s, t, kv.seq_lens)
+            exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
+            assert log_dhat is not None
+            delta_hat = torch.where(retrieve, exact, torch.exp(log_dhat).float())
+            new_kmax = max_key_norm(kv)
+
         r = retrieve
-        width = a_set.shape[-1]
-        pad = width - nb
-        set_full = torch.nn.functional.pad(new_set, (0, pad), value=False)
-        score_full = torch.nn.functional.pad(new_score.float(), (0, pad), value=0.0)
-        state["anchor_q"][slots, layer] = torch.where(r[..., None, None], q, qa)
-        state["anchor_len"][slots, layer] = torch.where(r, t, ta)
-        state["anchor_set"][slots, layer] = torch.where(r.unsqueeze(-1), set_full, a_set)
-        state["anchor_score"][slots, layer] = torch.where(r.unsqueeze(-1), score_full, a_score)
-        state["anchor_log_delta"][slots, layer] = torch.where(r, new_logd, a_logd)
-        state["anchor_kmax"][slots, layer] = torch.where(r, new_kmax.float(), a_kmax)
+        pool["anchor_q"][slots, layer] = torch.where(r[..., None, None], q, qa)
+        pool["anchor_len"][slots, layer] = torch.where(r, lens, ta)
+        pool["anchor_idx"][slots, layer] = torch.where(r.unsqueeze(-1), new_idx, a_idx)
+        pool["anchor_cnt"][slots, layer] = torch.where(r, new_cnt, a_cnt)
+        pool["anchor_log_delta"][slots, layer] = torch.where(r, log_d_anchor, a_logd)
+        pool["anchor_kmax"][slots, layer] = torch.where(r, new_kmax, a_kmax)
+
+        proxy = torch.where(retrieve, self.retrieval_bytes(kv), float(g * d * 4))
+        self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat)
+        return sel
+
+    def _retrieve(
+        self, kv: KVLayout, probs: torch.Tensor, bad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A retrieval's ``S_a``: ``(indices [B, H, M], counts [B, H], block scores)``, the list
+        ordered by block score (max group probability), largest first."""
+        c = self.config
+        if not c.certified:
+            return self.topk_blocks(kv, probs, self.budget_blocks(), bad)
+        # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped;
+        # only the sink is left out of the candidates.
+        s = c.block_size
+        block_scores = block_reduce(probs, s, "max")
+        mass = block_reduce(probs.double(), s, "sum")
+        nb = mass.shape[-1]
+        sink_end = (torch.clamp(kv.seq_lens, max=c.n_sink) + s - 1) // s
+        j = torch.arange(nb, device=mass.device).view(1, -1)
+        sink_b = (j < sink_end.view(-1, 1)).unsqueeze(1)  # [B, 1, NB]
+        exists = (j < self.num_blocks(kv).view(-1, 1)).unsqueeze(1)
+        eligible = (exists & ~sink_b & ~bad.unsqueeze(-1)).expand_as(mass)
+        kept = (mass * sink_b).sum(-1)
+        idx, cnt = top_p_indices(mass, c.retrieval_target, self.anchor_width(), eligible, kept)
+        # Reorder the set by block score, so that dilation takes its first m entries.
+        sc = torch.gather(block_scores, -1, idx.long().clamp(min=0))
+        sc = sc.masked_fill(idx < 0, NEG_INF)
+        order, _ = topk_indices(sc, idx.shape[-1], idx >= 0)
+        idx = torch.gather(idx, -1, order.long().clamp(min=0)).masked_fill(order < 0, -1)
+        return idx, cnt, block_scores

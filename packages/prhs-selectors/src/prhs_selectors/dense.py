@@ -2,31 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from prhs_core.config import SelectorConfig
-from prhs_core.protocols import DecodeStep
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
-from prhs_core.selection import Selection, StepStats
-from prhs_core.state import SequenceStatePool
+from prhs_core.selection import Selection
+from prhs_core.state import SelectorState
 from prhs_selectors.base import BaseSelector
 
-__all__ = ["Dense"]
+__all__ = ["Dense", "DenseConfig"]
 
 
-@selectors.register("dense", config=SelectorConfig, summary="dense attention (no selection)")
+@dataclass(frozen=True)
+class DenseConfig:
+    """Dense attention has no hyperparameters."""
+
+
+@selectors.register("dense", config=DenseConfig, summary="dense attention (no selection)")
 class Dense(BaseSelector):
-    """Dense attention: the selection is every cached position.
-
-    ``budget``, ``n_sink``, ``n_local`` and ``block_size`` are accepted (so every selector takes
-    the same options) and ignored.
-    """
+    """Dense attention: ``select`` returns ``None``, which every prhs kernel reads as "every
+    cached position". Never a retrieval; no proxy bytes."""
 
     name = "dense"
+    config_type = DenseConfig
 
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        b, hkv = step.cache.batch_size, step.cache.num_kv_heads
-        dev = step.query.device
-        num = step.cache.seq_lens.view(-1, 1).expand(b, hkv).to(torch.long)
-        stats = StepStats(torch.zeros(b, hkv, dtype=torch.bool, device=dev), num.to(dev))
-        return Selection(None, 1, stats)
+    def selection_width(self) -> int:
+        return 0
+
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
+        self.record(plan, layer, kv, None, None, None)
+        return None

@@ -8,17 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.protocols import DecodeStep
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
-from prhs_core.state import SequenceStatePool
-from prhs_selectors.base import (
-    BaseSelector,
-    exact_group_scores,
-    make_selection,
-    topk_mask,
-    window_mask,
-)
+from prhs_core.state import SelectorState
+from prhs_kernels.kv import gather_kv, token_locations
+from prhs_kernels.topk import topk_indices
+from prhs_selectors.base import BaseSelector
 
 __all__ = ["H2O", "H2OConfig"]
 
@@ -82,8 +79,10 @@ class H2O(BaseSelector):
     "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
     NeurIPS 2023 (arXiv:2306.14048).
 
-    State per (sequence, layer, KV head): the accumulated attention mass ``A_i`` of every
-    position and whether it has been evicted. At each step, with ``t`` cached positions:
+    State: per KV location (a side cache that follows the KV pool) and layer and KV head, the
+    accumulated attention mass ``A_i`` of the key and whether it has been evicted, reset when
+    the host writes a new key there; per request and layer, whether it has been seeded. At each
+    step, with ``t`` cached positions:
 
     1. the selection is the sink and local windows, the ``n_recent`` most recent positions
        before the local window, and the ``n_heavy`` non-evicted positions of largest ``A_i``
@@ -97,68 +96,107 @@ class H2O(BaseSelector):
     H2O accumulates attention over the prompt during prefill; prhs sees no prefill attention,
     so at a sequence's first decode step on a layer ``A`` is seeded with the group-mean
     attention of that step's query over every cached key. That step scores every key (a
-    retrieval); its seeded mass stands for the step's own contribution (step 3 is skipped).
-    Without a prefill the prompt's evictions all happen at that first step, and from then on
-    one position leaves the recent window per step and at most one is evicted.
+    retrieval); its seeded mass stands for the step's own contribution (step 3 is skipped). The
+    plan says on the host whether a sequence was created since the last step
+    (:attr:`~prhs_core.plan.DecodePlan.seeding`): steps without a new sequence skip the scoring.
 
-    GQA: one decision per KV head, on the group-mean mass (SPEC.md §1). ``block_size`` must be
-    1. Stats: ``retrieved`` on seeding steps only; ``proxy_bytes`` is the accumulated-score row
-    read, ``4·t`` bytes per KV head (float32), plus every key's bytes on a seeding step.
+    GQA: one decision per KV head, on the group-mean mass. ``block_size`` must be 1. Stats:
+    ``retrieved`` on seeding steps only; ``proxy_bytes`` is the accumulated-score row read,
+    ``4·t`` bytes per KV head (float32), plus every key's bytes on a seeding step.
     """
 
     name = "h2o"
     config_type = H2OConfig
     config: H2OConfig
 
-    def init_fields(self, pool: SequenceStatePool, spec: AttentionSpec, max_seq_len: int) -> None:
-        shape = (spec.num_layers, spec.num_kv_heads, max_seq_len)
-        pool.add_field("h2o_mass", shape, torch.float32, 0.0)
-        pool.add_field("h2o_evicted", shape, torch.bool, False)
-        pool.add_field("h2o_initialised", (spec.num_layers,), torch.bool, False)
+    def selection_width(self) -> int:
+        ws, wl = self.window_widths()
+        return ws + wl + self.config.n_recent + self.config.n_heavy
 
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
+    def uses_side_cache(self) -> bool:
+        return True
+
+    def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
+        assert state.side is not None
+        shape = (spec.num_layers, spec.num_kv_heads)
+        state.side.add_field("h2o_mass", shape, torch.float32, 0.0)
+        state.side.add_field("h2o_evicted", shape, torch.bool, False)
+        state.pool.add_field("h2o_seeded", (spec.num_layers,), torch.bool, False)
+
+    def write_side(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        side = state.side
+        assert side is not None
+        rows = side.rows_of(locations)
+        side["h2o_mass"][rows, layer] = 0.0
+        side["h2o_evicted"][rows, layer] = False
+
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
         c = self.config
-        cache = step.cache
-        layer, slots = step.layer, step.slots.to(state.device)
-        b, hkv, t = cache.batch_size, cache.num_kv_heads, cache.max_seq_len
-        lens = cache.seq_lens
+        side = state.side
+        assert side is not None
+        b, hkv, t = kv.batch_size, kv.num_kv_heads, kv.max_len
+        lens = kv.seq_lens.view(-1, 1).long()
         dev = lens.device
+        pos = torch.arange(t, device=dev).view(1, -1)
+        rows = side.rows_of(token_locations(kv, pos.expand(b, -1), state.row_stride))  # [B, T]
+        stored = side["h2o_mass"][rows, layer].transpose(1, 2)  # [B, Hkv, T]
+        mass = stored
+        evicted = side["h2o_evicted"][rows, layer].transpose(1, 2)
+        valid = (pos < lens).unsqueeze(1)  # [B, 1, T]
+        seeded = state.pool["h2o_seeded"][plan.slots, layer]  # [B]
+        seed = (~seeded).view(-1, 1, 1)
+        retrieved = torch.zeros(b, 1, dtype=torch.bool, device=dev)
+        proxy = lens.to(torch.float64) * 4.0
+        if plan.seeding:  # a host flag: some sequence may be at its first decode step
+            probs = self.exact_probs(plan, query, kv)
+            mass = torch.where(seed & valid, probs, mass)
+            retrieved = ~seeded.view(-1, 1)
+            proxy = proxy + torch.where(retrieved, self.retrieval_bytes(kv), 0.0)
 
-        mass = state["h2o_mass"][slots, layer, :, :t].to(dev)  # [B, Hkv, T]
-        evicted = state["h2o_evicted"][slots, layer, :, :t].to(dev)
-        seed = ~state["h2o_initialised"][slots, layer].to(dev)  # [B]
-        valid = cache.valid_mask()[:, None]  # [B, 1, T]
-        if bool(seed.any()):
-            probs = exact_group_scores(step).probs
-            mass = torch.where(seed.view(-1, 1, 1) & valid, probs, mass)
-
-        win = window_mask(lens, t, c.n_sink, c.n_local)[:, None]
-        recent = window_mask(lens, t, c.n_sink, c.n_local + c.n_recent)[:, None] & ~win
-        kept = (win | recent).expand(b, hkv, t)
-        heavy = topk_mask(mass, c.n_heavy, valid & ~evicted & ~kept)
-        selected = kept | heavy
-        evicted = evicted | (valid & ~selected)
+        # Sink, local and recent windows, then the heavy hitters among the rest.
+        recent_lo = lens - c.n_local - c.n_recent
+        recent = recent_lo + torch.arange(c.n_recent, device=dev).view(1, -1)
+        recent = torch.where((recent >= 0) & (recent >= c.n_sink), recent, -1)
+        kept = ((pos < c.n_sink) | (pos >= recent_lo)) & (pos < lens)  # [B, T]
+        eligible = valid & ~evicted & ~kept.unsqueeze(1) & ~bad.unsqueeze(-1)
+        heavy, _ = topk_indices(mass, c.n_heavy, eligible)
+        sel = self.compose(plan, kv, recent, heavy)
+        selected = sel.to_mask(kv.seq_lens, t)
+        new_evicted = evicted | (valid & ~selected)
 
         # The step's attention over the selected set (group mean of the selected softmax).
-        idx = Selection.from_mask(selected).indices  # [B, Hkv, K], -1 padded
-        keys, _ = cache.gather(idx)
-        q = step.query.reshape(b, hkv, step.group_size, -1).float()
-        logits = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * step.scaling
+        idx = torch.where(sel.entry_mask(), sel.indices, -1)
+        keys, _ = gather_kv(kv, idx, values=False)
+        q = query.reshape(b, hkv, query.shape[1] // hkv, -1).float()
+        logits = torch.einsum("bhgd,bhkd->bhgk", q, keys.float()) * plan.scaling
         logits = logits.masked_fill((idx < 0)[:, :, None], float("-inf"))
         gained = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(2)  # [B, Hkv, K]
-        gained = gained.masked_fill(seed.view(-1, 1, 1) | (idx < 0), 0.0)
-        mass = mass.scatter_add(-1, idx.clamp(min=0), gained)
+        seeded_now = seed if plan.seeding else torch.zeros_like(seed)
+        gained = gained.masked_fill(seeded_now | (idx < 0), 0.0)
+        scatter_at = torch.where(idx >= 0, idx.long(), t)
+        padded = torch.nn.functional.pad(mass, (0, 1))
+        new_mass = padded.scatter_add(-1, scatter_at, gained)[..., :t]
 
-        state["h2o_mass"][slots, layer, :, :t] = mass.to(state.device)
-        state["h2o_evicted"][slots, layer, :, :t] = evicted.to(state.device)
-        state["h2o_initialised"][slots, layer] = True
-
-        row_bytes = lens.view(-1, 1).to(torch.float64) * 4.0
-        proxy = row_bytes + torch.where(seed.view(-1, 1), self.retrieval_bytes(step), 0.0)
-        return make_selection(
-            selected,
-            1,
-            lens,
-            retrieved=seed.view(-1, 1).expand(b, hkv),
-            proxy_bytes=proxy.expand(b, hkv),
+        keep_old = bad.unsqueeze(-1)  # skipped rows leave their state as it was
+        side["h2o_mass"][rows, layer] = torch.where(keep_old, stored, new_mass).transpose(1, 2)
+        side["h2o_evicted"][rows, layer] = torch.where(keep_old, evicted, new_evicted).transpose(
+            1, 2
         )
+        state.pool["h2o_seeded"][plan.slots, layer] = seeded | ~bad.all(-1)
+        self.record(plan, layer, kv, sel, retrieved, proxy)
+        return sel

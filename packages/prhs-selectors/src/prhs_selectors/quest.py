@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from prhs_core._checks import check_int
+from prhs_core.checks import check_int
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.protocols import DecodeStep
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
-from prhs_core.selection import Selection, StepStats
-from prhs_core.state import SequenceStatePool
-from prhs_selectors.base import BaseSelector, block_any, make_selection, topk_mask
+from prhs_core.selection import Selection
+from prhs_core.state import SelectorState
+from prhs_kernels.kv import token_locations
+from prhs_kernels.topk import topk_indices
+from prhs_selectors.base import BaseSelector
 
 __all__ = ["Quest", "QuestConfig", "page_bounds"]
 
@@ -82,101 +85,111 @@ class Quest(BaseSelector):
     Tang, Zhao, Zhu, Xiao, Kasikci and Han, "Quest: Query-Aware Sparsity for Efficient
     Long-Context LLM Inference", ICML 2024 (arXiv:2406.10774).
 
-    Keys are grouped in aligned pages of ``page_size`` positions. Per (sequence, layer, KV head)
-    the state keeps each page's element-wise key minimum and maximum, folded in incrementally:
-    at each step the positions cached since the last step (the whole prompt at the first step,
-    then one token) are merged into their pages. The page bound of query head ``q`` is
-    ``Σ_j max(q_j·max_j, q_j·min_j)`` times the scaling, an upper bound of every logit in the
-    page. Under GQA the group's bound is the **max** over its ``g`` query heads: it is then an
-    upper bound of every logit of every head in the group, so a page some head would attend to
-    strongly cannot be ranked low because the other heads would not.
+    Keys are grouped in aligned pages of ``page_size`` positions. Each page's element-wise key
+    minimum and maximum live in a side cache indexed by the page's KV location, in the cache
+    dtype (exact: a min or max of cached values is a cached value), written by
+    :meth:`write_kv` whenever the host writes K/V: a page's first token resets it, later tokens
+    fold in. The page bound of query head ``q`` is ``Σ_j max(q_j·max_j, q_j·min_j)`` times the
+    scaling, an upper bound of every logit in the page. Under GQA the group's bound is the
+    **max** over its ``g`` query heads: it is then an upper bound of every logit of every head
+    in the group, so a page some head would attend to strongly cannot be ranked low because the
+    other heads would not.
 
     The selection is the pages covering the sink and local windows plus the top
-    ``max(1, k // page_size)`` other pages by bound, returned as a block selection with
-    ``block_size = page_size``. Layers ``< dense_layers`` are dense.
+    ``max(1, k // page_size)`` other pages by bound, as a block selection with
+    ``block_size = page_size``. Layers ``< dense_layers`` are dense (``None``).
 
-    Stats: never a retrieval. ``proxy_bytes`` is the metadata read: the min and max of every
-    page of the sequence, ``n_pages · 2 · D · element_size`` per KV head (``element_size`` of
-    the query, as Quest stores them in the cache dtype; prhs keeps them in float32, which holds
-    bf16/fp16 keys exactly). Folding new keys into the pages is index maintenance, not counted
-    (Quest builds its pages at prefill).
+    A paged KV pool must use pages of a multiple of ``page_size`` slots, so that a Quest page is
+    one run of slots. Stats: never a retrieval. ``proxy_bytes`` is the metadata read: the min
+    and max of every page of the sequence, ``n_pages · 2 · D · element_size`` per KV head.
     """
 
     name = "quest"
     config_type = QuestConfig
     config: QuestConfig
 
-    def init_fields(self, pool: SequenceStatePool, spec: AttentionSpec, max_seq_len: int) -> None:
+    @property
+    def block_size(self) -> int:
+        return self.config.page_size
+
+    def selection_width(self) -> int:
+        ws, wl = self.window_widths()
+        return ws + self.budget_blocks() + wl
+
+    def side_page_size(self) -> int:
+        return self.config.page_size
+
+    def uses_side_cache(self) -> bool:
+        return True
+
+    def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         # Only the sparse layers keep pages: layer l uses row l - dense_layers.
         n_layers = max(spec.num_layers - self.config.dense_layers, 0)
-        n_pages = -(-max_seq_len // self.config.page_size)
-        shape = (n_layers, spec.num_kv_heads, n_pages, spec.head_dim)
-        pool.add_field("quest_kmin", shape, torch.float32, float("inf"))
-        pool.add_field("quest_kmax", shape, torch.float32, float("-inf"))
-        pool.add_field("quest_pages_built", (n_layers,), torch.int64, 0)
+        shape = (n_layers, spec.num_kv_heads, spec.head_dim)
+        assert state.side is not None
+        state.side.add_page_field("quest_kmin", shape, kv_dtype, float("inf"))
+        state.side.add_page_field("quest_kmax", shape, kv_dtype, float("-inf"))
 
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        c = self.config
-        cache = step.cache
-        b, hkv = cache.batch_size, cache.num_kv_heads
-        lens = cache.seq_lens
-        if step.layer < c.dense_layers:
-            num = lens.view(-1, 1).expand(b, hkv).to(torch.long)
-            stats = StepStats(torch.zeros(b, hkv, dtype=torch.bool, device=lens.device), num)
-            return Selection(None, 1, stats)
-
-        kmin, kmax = self._fold(step, state)  # [B, Hkv, n_pages, D]
-        p = c.page_size
-        n_pages = kmin.shape[2]
-        row_pages = (lens + p - 1) // p
-        page_valid = torch.arange(n_pages, device=lens.device).view(1, -1) < row_pages.view(-1, 1)
-        pv = page_valid[:, None, :, None]
-        q = step.query.reshape(b, hkv, step.group_size, -1).float()
-        bound = page_bounds(q, torch.where(pv, kmin, 0.0), torch.where(pv, kmax, 0.0), step.scaling)
-        bound = bound.amax(2)  # [B, Hkv, P]: the group's bound
-
-        win = block_any(self.windows(step), p)  # [B, 1, P]
-        valid = page_valid[:, None].expand(b, hkv, n_pages)
-        picked = topk_mask(bound, max(1, c.budget // p), valid & ~win)
-        mask = picked | (win & valid)
-        meta = row_pages.view(-1, 1).to(torch.float64) * (2 * cache.head_dim)
-        return make_selection(
-            mask,
-            p,
-            lens,
-            retrieved=torch.zeros(b, hkv, dtype=torch.bool, device=mask.device),
-            proxy_bytes=(meta * step.query.element_size()).expand(b, hkv),
+    def write_side(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        row = layer - self.config.dense_layers
+        if row < 0:
+            return
+        side = state.side
+        assert side is not None
+        kmin = side["quest_kmin"][:, row]  # [P + 1, Hkv, D], a view
+        kmax = side["quest_kmax"][:, row]
+        page = side.pages_of(locations)
+        first = torch.where(
+            (locations >= 0) & (locations % side.page_size == 0), page, side.scratch_page
         )
+        kmin.index_fill_(0, first, float("inf"))
+        kmax.index_fill_(0, first, float("-inf"))
+        k = key.to(kmin.dtype)
+        kmin.index_reduce_(0, page, k, "amin", include_self=True)
+        kmax.index_reduce_(0, page, k, "amax", include_self=True)
 
-    def _fold(
-        self, step: DecodeStep, state: SequenceStatePool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge the positions ``[pages_built, seq_len)`` of each sequence into its pages and
-        return the batch's page min/max ``[B, Hkv, ceil(T / page_size), D]``."""
-        cache, p = step.cache, self.config.page_size
-        row = step.layer - self.config.dense_layers
-        slots = step.slots.to(state.device)
-        lens = cache.seq_lens
-        dev = lens.device
-        n_pages = -(-cache.max_seq_len // p)
-        kmin = state["quest_kmin"][slots, row, :, :n_pages].to(dev)
-        kmax = state["quest_kmax"][slots, row, :, :n_pages].to(dev)
-        built = state["quest_pages_built"][slots, row].to(dev)
-        # A row whose cache is shorter than what was folded (never for a live sequence) folds
-        # nothing; new positions run from `built` to `lens`, a different count per row.
-        new = (lens - built).clamp(min=0)
-        width = int(new.max()) if new.numel() else 0
-        if width > 0:
-            b, hkv = cache.batch_size, cache.num_kv_heads
-            pos = built.view(-1, 1) + torch.arange(width, device=dev).view(1, -1)  # [B, W]
-            ok = pos < lens.view(-1, 1)
-            keys, _ = cache.gather(torch.where(ok, pos, -1)[:, None].expand(b, hkv, width))
-            keys = keys.float()
-            okd = ok[:, None, :, None]
-            page = torch.where(ok, pos // p, 0)[:, None, :, None].expand_as(keys)
-            kmin = kmin.scatter_reduce(2, page, torch.where(okd, keys, float("inf")), "amin")
-            kmax = kmax.scatter_reduce(2, page, torch.where(okd, keys, float("-inf")), "amax")
-            state["quest_kmin"][slots, row, :, :n_pages] = kmin.to(state.device)
-            state["quest_kmax"][slots, row, :, :n_pages] = kmax.to(state.device)
-            state["quest_pages_built"][slots, row] = torch.maximum(built, lens).to(state.device)
-        return kmin, kmax
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
+        c = self.config
+        if layer < c.dense_layers:
+            self.record(plan, layer, kv, None, None, None)
+            return None
+        side = state.side
+        assert side is not None
+        p = c.page_size
+        b, hkv = kv.batch_size, kv.num_kv_heads
+        n_pages = -(-kv.max_len // p)
+        first_pos = torch.arange(n_pages, device=kv.seq_lens.device) * p
+        loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
+        rows = side.pages_of(loc)  # [B, P]
+        row = layer - c.dense_layers
+        kmin = side["quest_kmin"][rows, row].transpose(1, 2).float()  # [B, Hkv, P, D]
+        kmax = side["quest_kmax"][rows, row].transpose(1, 2).float()
+        page_valid = (loc >= 0)[:, None, :, None]
+        q = query.reshape(b, hkv, query.shape[1] // hkv, -1).float()
+        bound = page_bounds(
+            q, torch.where(page_valid, kmin, 0.0), torch.where(page_valid, kmax, 0.0), plan.scaling
+        ).amax(2)  # [B, Hkv, P]: the group's bound
+        eligible = (self.block_eligible(kv, n_pages).unsqueeze(1) & ~bad.unsqueeze(-1)).expand_as(
+            bound
+        )
+        idx, _ = topk_indices(bound, self.budget_blocks(), eligible)
+        sel = self.compose(plan, kv, idx)
+        elem = torch.empty((), dtype=kv.dtype).element_size()
+        meta = self.num_blocks(kv).view(-1, 1).to(torch.float64) * (2 * kv.head_dim * elem)
+        self.record(plan, layer, kv, sel, None, meta)
+        return sel

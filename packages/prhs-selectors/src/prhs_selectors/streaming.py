@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from prhs_core.config import SelectorConfig
-from prhs_core.protocols import DecodeStep
+from prhs_core.layout import KVLayout
+from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
-from prhs_core.state import SequenceStatePool
-from prhs_selectors.base import BaseSelector, make_selection
+from prhs_core.state import SelectorState
+from prhs_selectors.base import BaseSelector
 
 __all__ = ["Streaming"]
 
@@ -28,9 +29,9 @@ class Streaming(BaseSelector):
     ``n_local + k`` positions, as many as a top-k selector with the same
     :class:`~prhs_core.config.SelectorConfig` reads at most.
 
-    With ``block_size = s > 1`` it works in aligned blocks as :class:`BaseSelector` does: the
-    blocks that cover the sink and local windows, plus the ``max(1, k // s)`` most recent blocks
-    before the local window (the blocks a top-k by recency would choose).
+    With ``block_size = s > 1`` it works in aligned blocks: the blocks that cover the sink and
+    local windows, plus the ``max(1, k // s)`` most recent blocks before the local window (the
+    blocks a top-k by recency would choose).
 
     The selection depends only on the sequence lengths: no key, query or proxy is read, every
     KV head gets the same positions, a step is never a retrieval and its proxy bytes are 0.
@@ -38,24 +39,28 @@ class Streaming(BaseSelector):
 
     name = "streaming"
 
-    def select_step(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        c = self.config
-        s = c.block_size
-        lens = step.cache.seq_lens.view(-1, 1)  # [B, 1]
-        n_blocks = -(-step.cache.max_seq_len // s)
-        block = torch.arange(n_blocks, device=lens.device).view(1, -1)
-        row_blocks = (lens + s - 1) // s  # blocks of each sequence
-        sink_end = -(-c.n_sink // s)  # blocks [0, sink_end) hold the sinks
-        # First block of the local window (none when n_local == 0), then the budget before it.
-        local_start = (lens - c.n_local).clamp(min=0) // s if c.n_local > 0 else row_blocks
+    def selection_width(self) -> int:
+        ws, wl = self.window_widths()
+        return ws + self.budget_blocks() + max(wl, 1)
+
+    def select_layer(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection | None:
+        c, s = self.config, self.block_size
+        lens = kv.seq_lens.view(-1, 1).long()
+        row_blocks = (lens + s - 1) // s
+        local_start = torch.clamp(lens - c.n_local, min=0) // s if c.n_local > 0 else row_blocks
         recent_start = local_start - self.budget_blocks()
-        mask = ((block < sink_end) | (block >= recent_start)) & (block < row_blocks)  # [B, nb]
-        b, hkv = step.cache.batch_size, step.cache.num_kv_heads
-        mask = mask[:, None].expand(b, hkv, n_blocks)
-        return make_selection(
-            mask,
-            s,
-            step.cache.seq_lens,
-            retrieved=torch.zeros(b, hkv, dtype=torch.bool, device=mask.device),
-            proxy_bytes=torch.zeros(b, hkv, dtype=torch.float64, device=mask.device),
-        )
+        _, wl = self.window_widths()
+        j = torch.arange(self.budget_blocks() + max(wl, 1), device=lens.device).view(1, -1)
+        recent = recent_start + j
+        recent = torch.where(recent >= 0, recent, -1)  # the union drops ids >= row_blocks
+        sel = self.compose(plan, kv, recent)
+        self.record(plan, layer, kv, sel, None, None)
+        return sel

@@ -9,32 +9,56 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.cache import KVCacheView
-from prhs_core.protocols import DecodeStep
+from prhs_core.checks import check_shape
+from prhs_core.layout import KVLayout
 from prhs_core.selection import Selection
-from prhs_kernels.sparse_decode.reference import sparse_decode_attention_reference
+from prhs_kernels.score import check_query
+from prhs_kernels.sparse_decode.reference import (
+    dense_positions,
+    sparse_decode_attention_reference,
+)
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference"]
+__all__ = ["dense_positions", "sparse_decode_attention", "sparse_decode_attention_reference"]
 
 
 def sparse_decode_attention(
     query: torch.Tensor,
-    cache: KVCacheView,
-    selection: Selection,
+    kv: KVLayout,
+    selection: Selection | None,
     scaling: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Hq, Dv], lse [B, Hq])`` of decode attention restricted to ``selection``.
+    """``(out [B, Hq, Dv], lse [B, Hq])`` of decode attention restricted to ``selection``
+    (``None``: every cached position). Entries past a row's count, and positions past a
+    sequence's end, are not read. ``out`` / ``lse`` are written in place when given.
 
-    Raises ``ValueError`` when the shapes of the query, cache and selection disagree.
+    Raises ``TypeError`` / ``ValueError`` when the query, cache and selection disagree (shapes,
+    dtypes, devices).
     """
-    # DecodeStep validates query against the cache (batch, head_dim, GQA multiple, scaling).
-    DecodeStep(0, query, cache, torch.zeros(query.shape[0], dtype=torch.long), scaling)
-    if selection.indices is not None and tuple(selection.indices.shape[:2]) != (
-        cache.batch_size,
-        cache.num_kv_heads,
-    ):
-        raise ValueError(
-            f"selection.indices must have shape [B={cache.batch_size}, "
-            f"Hkv={cache.num_kv_heads}, K], got {list(selection.indices.shape)}"
+    check_query(query, kv)
+    if selection is not None:
+        if not isinstance(selection, Selection):
+            raise TypeError(
+                f"selection must be a Selection or None, got {type(selection).__name__}"
+            )
+        check_shape(
+            "selection.indices",
+            selection.indices,
+            (kv.batch_size, kv.num_kv_heads, None),
+            "[B, Hkv, K_max]",
         )
-    return sparse_decode_attention_reference(query, cache, selection, scaling)
+    b, hq, _ = query.shape
+    if out is not None:
+        check_shape("out", out, (b, hq, kv.value_dim), "[B, Hq, Dv]")
+    if lse is not None:
+        check_shape("lse", lse, (b, hq), "[B, Hq]")
+    o, s = sparse_decode_attention_reference(query, kv, selection, scaling)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if lse is not None:
+        lse.copy_(s)
+        s = lse
+    return o, s

@@ -1,4 +1,4 @@
-"""Float32 torch reference of sparse decode attention over a selection (SPEC.md §5).
+"""Float32 torch reference of sparse decode attention over a selection.
 
 Readable and exact: the fast paths are tested against it.
 """
@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.cache import KVCacheView
+from prhs_core.layout import KVLayout
 from prhs_core.selection import Selection
+from prhs_kernels.kv.reference import gather_kv_reference
 
-__all__ = ["sparse_decode_attention_reference"]
+__all__ = ["dense_positions", "sparse_decode_attention_reference"]
+
+
+def dense_positions(kv: KVLayout) -> torch.Tensor:
+    """``[B, Hkv, T]`` every position ``t < kv.max_len`` (``-1`` past each end)."""
+    t = torch.arange(kv.max_len, device=kv.seq_lens.device)
+    pos = torch.where(t.view(1, 1, -1) < kv.seq_lens.view(-1, 1, 1), t, -1)
+    return pos.expand(kv.batch_size, kv.num_kv_heads, -1)
 
 
 def sparse_decode_attention_reference(
-    query: torch.Tensor,
-    cache: KVCacheView,
-    selection: Selection,
-    scaling: float,
+    query: torch.Tensor, kv: KVLayout, selection: Selection | None, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one decode query per head over the selected positions only.
 
@@ -25,33 +30,33 @@ def sparse_decode_attention_reference(
     ----------
     query:
         ``[B, Hq, D]``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
-    cache:
-        The layer's cache view.
+    kv:
+        The layer's cache.
     selection:
-        Positions (or ``s``-blocks) per (sequence, KV head); dense reads every position.
+        Positions (or ``s``-blocks) per (sequence, KV head); ``None`` reads every position.
     scaling:
         Logit scale.
 
     Returns
     -------
     out, lse:
-        ``[B, Hq, Dv]`` in the query's dtype and ``[B, Hq]`` float32 log-sum-exp of the
-        selected logits (``-inf`` and a zero output for a row that selects nothing).
+        ``[B, Hq, Dv]`` in the query's dtype and ``[B, Hq]`` float32 log-sum-exp of the selected
+        logits. A row that selects nothing gets a zero output and ``lse = -inf``; a non-finite
+        query or selected key or value gives a non-finite output (never hidden).
     """
     b, hq, d = query.shape
-    hkv = cache.num_kv_heads
+    hkv = kv.num_kv_heads
     g = hq // hkv
-    if selection.is_dense:
-        t = torch.arange(cache.max_seq_len, device=query.device)
-        pos = torch.where(t.view(1, 1, -1) < cache.seq_lens.view(-1, 1, 1), t, -1)
-        pos = pos.expand(b, hkv, -1)
-    else:
-        pos = selection.positions(cache.seq_lens)
-    k, v = cache.gather(pos)
+    pos = dense_positions(kv) if selection is None else selection.positions(kv.seq_lens)
+    k, v = gather_kv_reference(kv, pos)
+    assert v is not None
     q = query.reshape(b, hkv, g, d).float()
     logits = torch.einsum("bhgd,bhpd->bhgp", q, k.float()) * scaling
-    logits = logits.masked_fill((pos < 0).unsqueeze(2), float("-inf"))
+    unused = (pos < 0).unsqueeze(2)
+    logits = logits.masked_fill(unused, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
-    p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    empty = unused.all(-1)  # [B, Hkv, 1]
+    p = torch.exp(logits - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    p = p.masked_fill(unused, 0.0)
     out = torch.einsum("bhgp,bhpd->bhgd", p, v.float())
     return out.reshape(b, hq, -1).to(query.dtype), lse.reshape(b, hq)
