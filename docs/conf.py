@@ -39,3 +39,4 @@ nitpicky = False
 # -- HTML --------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"prhs {release}"
+

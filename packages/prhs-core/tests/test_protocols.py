@@ -1,9 +1,9 @@
-"""DecodeStep and PrefillLayerPlan validation, the prefill mask, and a selector on the protocol.
+"""DecodeStep, PrefillLayerPlan / PrefillPlanner, and a tiny selector on the DecodeSelector
+protocol.
 
-``ExactTopK`` below is a tiny reference selector written against the protocol only: it scores
-every cached key with the GQA group mean of the softmax probabilities (SPEC.md §1) and keeps
-the sink and local windows. It checks that the protocol is implementable with what a
-KVCacheView exposes, and that a selector sees the same thing through either cache layout.
+``LastWindow`` below is written against the protocol only: it keeps the last ``window``
+positions of every row, writes them into the plan's buffers with device ops (no host read),
+counts steps per request slot through ``plan.slots`` and keeps a per-location side cache.
 """
 
 from __future__ import annotations
@@ -15,233 +15,245 @@ import torch
 
 from prhs_core import (
     AttentionSpec,
-    ContiguousKVCache,
+    ContiguousKV,
+    DecodePlan,
     DecodeSelector,
     DecodeStep,
-    PagedKVCache,
+    KVLayout,
+    PagedKV,
     PrefillLayerPlan,
     PrefillPlanner,
     Selection,
     SelectorConfig,
+    SelectorState,
     SequenceStatePool,
-    StepStats,
+    SideCache,
 )
 
+I32 = torch.int32
 
-def contiguous(b: int = 2, hkv: int = 2, t: int = 6, d: int = 4) -> ContiguousKVCache:
-    return ContiguousKVCache(torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d))
+
+def i32(values: object) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32)
+
+
+def contiguous(b: int = 2, hkv: int = 2, t: int = 6, d: int = 4) -> ContiguousKV:
+    return ContiguousKV(
+        torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d), torch.full((b,), t, dtype=I32)
+    )
+
+
+def paged(b: int = 2, hkv: int = 2, t: int = 6, d: int = 4) -> PagedKV:
+    table = torch.arange(b * t, dtype=I32).view(b, t)
+    return PagedKV(
+        torch.randn(b * t, hkv, d),
+        torch.randn(b * t, hkv, d),
+        table,
+        torch.arange(b, dtype=I32),
+        torch.full((b,), t, dtype=I32),
+    )
+
+
+def tiny_plan(b: int = 2) -> DecodePlan:
+    state = SelectorState(SequenceStatePool(4), None, row_stride=8)
+    return DecodePlan(
+        state, batch_size=b, num_kv_heads=2, num_layers=1, width=2, block_size=1, scaling=0.25
+    )
 
 
 # -- DecodeStep -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", [contiguous, paged], ids=["contiguous", "paged"])
 @pytest.mark.parametrize(
     ("hq", "hkv", "g"), [(2, 2, 1), (8, 2, 4), (8, 1, 8)], ids=["Hq2-Hkv2", "Hq8-Hkv2", "Hq8-Hkv1"]
 )
-def test_decode_step_group_size(hq: int, hkv: int, g: int) -> None:
-    cache = contiguous(hkv=hkv)
-    step = DecodeStep(3, torch.randn(2, hq, 4), cache, torch.tensor([0, 1]), 0.5)
+def test_decode_step_reports_what_select_saw(layout, hq: int, hkv: int, g: int) -> None:
+    kv = layout(hkv=hkv)
+    plan = tiny_plan()
+    step = DecodeStep(3, torch.randn(2, hq, 4), kv, plan)
     assert step.group_size == g
-    assert step.cache is cache
-
-
-@pytest.mark.parametrize(
-    ("changes", "error", "fragment"),
-    [
-        (
-            {"query": torch.randn(3, 4, 4)},
-            ValueError,
-            r"query \[B, Hq, D\] = \[3, 4, 4\] does not match the cache \(B=2, D=4\)",
-        ),
-        ({"query": torch.randn(2, 4, 8)}, ValueError, r"does not match the cache \(B=2, D=4\)"),
-        (
-            {"query": torch.randn(2, 3, 4)},
-            ValueError,
-            r"query heads \(3\) must be a multiple of the cache's KV heads \(2\)",
-        ),
-        ({"query": torch.randn(2, 4)}, ValueError, "query must have 3 dimensions"),
-        (
-            {"query": torch.ones(2, 4, 4, dtype=torch.long)},
-            TypeError,
-            "query must be a floating-point tensor",
-        ),
-        ({"cache": object()}, TypeError, "cache must be a KVCacheView, got object"),
-        ({"slots": torch.tensor([[0, 1]])}, ValueError, "slots must have 1 dimensions"),
-        (
-            {"slots": torch.tensor([0, 1, 2])},
-            ValueError,
-            r"slots must have shape \[B=2\], got \[3\]",
-        ),
-        ({"slots": torch.tensor([0.0, 1.0])}, TypeError, "slots must be an integer tensor"),
-        ({"scaling": 0.0}, ValueError, "scaling must be a positive finite float, got 0.0"),
-        ({"scaling": -0.5}, ValueError, "scaling must be a positive finite float, got -0.5"),
-        ({"scaling": math.nan}, ValueError, "scaling must be a positive finite float, got nan"),
-        ({"scaling": math.inf}, ValueError, "scaling must be a positive finite float, got inf"),
-        ({"scaling": True}, TypeError, "scaling must be a float, got bool"),
-        ({"scaling": torch.tensor(0.5)}, TypeError, "scaling must be a float, got Tensor"),
-        ({"layer": -1}, ValueError, "layer must be >= 0, got -1"),
-    ],
-    ids=[
-        "batch-mismatch",
-        "head-dim-mismatch",
-        "Hq-not-multiple",
-        "query-2d",
-        "query-int",
-        "cache-not-view",
-        "slots-2d",
-        "slots-wrong-B",
-        "slots-float",
-        "scaling-zero",
-        "scaling-neg",
-        "scaling-nan",
-        "scaling-inf",
-        "scaling-bool",
-        "scaling-tensor",
-        "layer-neg",
-    ],
-)
-def test_decode_step_rejects_bad_input(changes: dict, error: type, fragment: str) -> None:
-    fields = {
-        "layer": 0,
-        "query": torch.randn(2, 4, 4),
-        "cache": contiguous(b=2, hkv=2, d=4),
-        "slots": torch.tensor([0, 1]),
-        "scaling": 0.5,
-        **changes,
-    }
-    with pytest.raises(error, match=fragment):
-        DecodeStep(**fields)
-
-
-def test_decode_step_accepts_an_int_scaling() -> None:
-    step = DecodeStep(0, torch.randn(2, 4, 4), contiguous(), torch.tensor([0, 1]), 1)
-    assert step.scaling == 1
+    assert step.seq_lens is kv.seq_lens  # the cache's own lengths, not a copy
+    assert step.scaling == 0.25 and step.plan is plan and step.layer == 3
+    with pytest.raises(AttributeError):
+        step.layer = 4  # type: ignore[misc]
 
 
 # -- PrefillLayerPlan -----------------------------------------------------------------------
 
 
-def ref_prefill_mask(n: int, n_sink: int, window_start: list[int] | None) -> torch.Tensor:
-    mask = torch.zeros(n, n, dtype=torch.bool)
+FRACTIONS = [0.0, 0.1, 0.25, 1 / 3, 0.5, 0.7, 0.9, 0.999]
+
+
+@pytest.mark.parametrize("f", FRACTIONS, ids=lambda f: f"f{f:.3g}")
+@pytest.mark.parametrize("n", [0, 1, 17, 1000], ids=lambda n: f"L{n}")
+def test_window_start_is_floor_of_f_times_t(f: float, n: int) -> None:
+    ws = PrefillLayerPlan(0, window_fraction=f).window_start(n)
+    assert ws.dtype == torch.int64 and ws.shape == (n,)
+    assert ws.tolist() == [math.floor(f * t) for t in range(n)]
+    assert all(0 <= s <= t for t, s in enumerate(ws.tolist()))  # every row sees itself
+
+
+@pytest.mark.parametrize("e", [0.0, 0.1, 0.3, 0.5, 0.75, 0.99], ids=lambda e: f"e{e}")
+def test_frozen_prefix_is_floor_of_e_times_l(e: float) -> None:
+    plan = PrefillLayerPlan(1, frozen_fraction=e)
+    for n in (0, 1, 3, 10, 97, 4096):
+        got = plan.frozen_prefix(n)
+        assert got == math.floor(e * n) and isinstance(got, int)
+        assert 0 <= got < max(n, 1)  # a fraction below 1 never freezes every row
+
+
+def ref_prefill_mask(n: int, f: float, n_sink: int) -> list[list[bool]]:
+    out = []
     for i in range(n):
+        row = []
         for j in range(n):
             causal = j <= i
-            in_window = window_start is None or j >= window_start[i] or j < n_sink
-            mask[i, j] = causal and in_window
-    return mask
+            in_window = f == 0.0 or j >= math.floor(f * i) or j < n_sink
+            row.append(causal and in_window)
+        out.append(row)
+    return out
 
 
-PLAN_CASES = [(1, 0), (1, 4), (7, 0), (7, 2), (33, 4), (64, 1)]
-
-
-@pytest.mark.parametrize(("n", "n_sink"), PLAN_CASES, ids=[f"L{n}-sink{s}" for n, s in PLAN_CASES])
-@pytest.mark.parametrize("windowed", [False, True], ids=["causal", "window"])
-def test_prefill_attention_mask_matches_brute_force(n: int, n_sink: int, windowed: bool) -> None:
-    g = torch.Generator().manual_seed(n * 10 + n_sink)
-    ws = None
-    if windowed:
-        ws = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=g)) for i in range(n)])
-    plan = PrefillLayerPlan(layer=1, prompt_len=n, n_sink=n_sink, window_start=ws)
-    mask = plan.attention_mask()
-    assert mask.dtype == torch.bool and mask.shape == (n, n)
-    assert torch.equal(mask, ref_prefill_mask(n, n_sink, None if ws is None else ws.tolist()))
-    assert bool(mask.diagonal().all())  # every row sees itself
-
-
-def test_prefill_mask_sliding_window_by_hand() -> None:
-    # Row i sees [max(0, i - 1), i] plus sink 0.
-    plan = PrefillLayerPlan(0, 5, n_sink=1, window_start=torch.tensor([0, 0, 1, 2, 3]))
-    assert plan.attention_mask().int().tolist() == [
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 0],
-        [1, 0, 1, 1, 0],
-        [1, 0, 0, 1, 1],
-    ]
+MASK_CASES = [
+    # (L, f, n_sink)
+    (0, 0.5, 0),
+    (1, 0.5, 4),
+    (7, 0.0, 3),  # sinks mean nothing without a window
+    (7, 0.5, 0),
+    (7, 0.5, 2),
+    (33, 1 / 3, 4),
+    (64, 0.9, 1),
+    (64, 0.999, 0),
+    (20, 0.25, 30),  # more sinks than rows
+]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "fragment"),
-    [
-        (
-            {"window_start": torch.tensor([0, 2, 1, 1, 1])},
-            ValueError,
-            r"window_start\[i\] must lie in \[0, i\] for every row i",
-        ),
-        (
-            {"window_start": torch.tensor([0, 0, -1, 0, 0])},
-            ValueError,
-            r"window_start\[i\] must lie in \[0, i\]",
-        ),
-        (
-            {"window_start": torch.tensor([0, 0, 1, 2])},
-            ValueError,
-            r"window_start must have shape \[L=5\], got \[4\]",
-        ),
-        (
-            {"window_start": torch.zeros(1, 5, dtype=torch.long)},
-            ValueError,
-            "window_start must have 1 dimensions",
-        ),
-        ({"window_start": torch.zeros(5)}, TypeError, "window_start must be an integer tensor"),
-        ({"frozen_prefix": 6}, ValueError, r"frozen_prefix \(6\) must be <= prompt_len \(5\)"),
-        ({"frozen_prefix": -1}, ValueError, "frozen_prefix must be >= 0"),
-        ({"n_sink": -1}, ValueError, "n_sink must be >= 0"),
-        ({"prompt_len": -1}, ValueError, "prompt_len must be >= 0"),
-        ({"layer": True}, TypeError, "layer must be an int, got bool"),
-    ],
-    ids=[
-        "ws>i",
-        "ws-neg",
-        "ws-short",
-        "ws-2d",
-        "ws-float",
-        "frozen>L",
-        "frozen-neg",
-        "sink-neg",
-        "L-neg",
-        "layer-bool",
-    ],
+    ("n", "f", "n_sink"), MASK_CASES, ids=[f"L{n}-f{f:.3g}-sink{s}" for n, f, s in MASK_CASES]
 )
-def test_prefill_plan_rejects_bad_input(kwargs: dict, error: type, fragment: str) -> None:
-    fields = {"layer": 0, "prompt_len": 5, **kwargs}
-    with pytest.raises(error, match=fragment):
-        PrefillLayerPlan(**fields)
+def test_attention_mask_matches_a_python_double_loop(n: int, f: float, n_sink: int) -> None:
+    plan = PrefillLayerPlan(2, window_fraction=f, n_sink=n_sink)
+    mask = plan.attention_mask(n)
+    assert mask.dtype == torch.bool and mask.shape == (n, n)
+    assert mask.tolist() == ref_prefill_mask(n, f, n_sink)
+    assert bool(mask.diagonal().all())  # every row sees itself
+
+
+def test_attention_mask_by_hand() -> None:
+    # f = 0.5, one sink: row i sees [floor(i/2), i] and position 0.
+    plan = PrefillLayerPlan(0, window_fraction=0.5, n_sink=1)
+    assert plan.attention_mask(6).int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 0, 1, 1, 1, 0],
+        [1, 0, 1, 1, 1, 1],
+    ]
+    assert plan.window_start(6).tolist() == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "dense"),
     [
         ({}, True),
-        ({"n_sink": 4}, True),  # sinks mean nothing without a window
-        ({"frozen_prefix": 5}, False),
-        ({"frozen_prefix": 1}, False),
-        ({"window_start": torch.zeros(5, dtype=torch.long)}, False),
+        ({"n_sink": 4}, True),
+        ({"frozen_fraction": 0.5}, False),
+        ({"window_fraction": 0.1}, False),
+        ({"window_fraction": 0.3, "frozen_fraction": 0.2}, False),
     ],
-    ids=["plain", "sinks-only", "all-frozen", "one-frozen", "window"],
+    ids=["plain", "sinks-only", "frozen", "window", "both"],
 )
-def test_prefill_plan_is_dense(kwargs: dict, dense: bool) -> None:
-    plan = PrefillLayerPlan(layer=0, prompt_len=5, **kwargs)
+def test_is_dense(kwargs: dict, dense: bool) -> None:
+    plan = PrefillLayerPlan(layer=0, **kwargs)
     assert plan.is_dense is dense
-    if plan.window_start is None:
-        assert torch.equal(plan.attention_mask(), torch.ones(5, 5, dtype=torch.bool).tril())
+    if plan.window_fraction == 0.0:
+        assert torch.equal(plan.attention_mask(5), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_fractions_are_stored_as_floats() -> None:
+    plan = PrefillLayerPlan(0, window_fraction=0, frozen_fraction=0)
+    assert isinstance(plan.window_fraction, float) and isinstance(plan.frozen_fraction, float)
+    with pytest.raises(AttributeError):
+        plan.n_sink = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"layer": -1}, ValueError, "layer must be >= 0, got -1"),
+        ({"layer": True}, TypeError, "layer must be an int, got bool"),
+        ({"n_sink": -1}, ValueError, "n_sink must be >= 0, got -1"),
+        ({"n_sink": 2.0}, TypeError, "n_sink must be an int, got float"),
+        ({"window_fraction": 1.0}, ValueError, r"window_fraction must lie in \[0, 1\), got 1.0"),
+        ({"window_fraction": -0.1}, ValueError, r"window_fraction must lie in \[0, 1\), got -0.1"),
+        (
+            {"window_fraction": math.nan},
+            ValueError,
+            r"window_fraction must lie in \[0, 1\), got nan",
+        ),
+        ({"window_fraction": math.inf}, ValueError, r"window_fraction must lie in \[0, 1\)"),
+        ({"window_fraction": True}, TypeError, "window_fraction must be a float, got bool"),
+        ({"window_fraction": "0.5"}, TypeError, "window_fraction must be a float, got str"),
+        ({"frozen_fraction": 1}, ValueError, r"frozen_fraction must lie in \[0, 1\), got 1"),
+        ({"frozen_fraction": -1e-9}, ValueError, r"frozen_fraction must lie in \[0, 1\)"),
+        ({"frozen_fraction": None}, TypeError, "frozen_fraction must be a float, got NoneType"),
+    ],
+    ids=[
+        "layer-neg",
+        "layer-bool",
+        "sink-neg",
+        "sink-float",
+        "f=1",
+        "f-neg",
+        "f-nan",
+        "f-inf",
+        "f-bool",
+        "f-str",
+        "e=1",
+        "e-neg",
+        "e-none",
+    ],
+)
+def test_prefill_plan_rejects_bad_parameters(kwargs: dict, error: type, fragment: str) -> None:
+    fields = {"layer": 0, **kwargs}
+    with pytest.raises(error, match=fragment):
+        PrefillLayerPlan(**fields)
+
+
+@pytest.mark.parametrize("method", ["window_start", "frozen_prefix", "attention_mask"])
+@pytest.mark.parametrize(
+    ("n", "error", "fragment"),
+    [
+        (-1, ValueError, "prompt_len must be >= 0, got -1"),
+        (3.0, TypeError, "prompt_len must be an int"),
+    ],
+    ids=["neg", "float"],
+)
+def test_prompt_len_is_checked(method: str, n: object, error: type, fragment: str) -> None:
+    plan = PrefillLayerPlan(0, window_fraction=0.5, frozen_fraction=0.5)
+    with pytest.raises(error, match=fragment):
+        getattr(plan, method)(n)
 
 
 def test_prefill_planner_protocol() -> None:
     class Planner:
-        def plan_prefill(self, layer: int, num_layers: int, prompt_len: int) -> PrefillLayerPlan:
-            return PrefillLayerPlan(layer, prompt_len, frozen_prefix=prompt_len // 2)
+        def plan_prefill(self, layer: int, num_layers: int) -> PrefillLayerPlan:
+            return PrefillLayerPlan(layer, window_fraction=0.5 * layer / num_layers)
 
     assert isinstance(Planner(), PrefillPlanner)
     assert not isinstance(object(), PrefillPlanner)
-    assert Planner().plan_prefill(2, 4, 9).frozen_prefix == 4
+    assert Planner().plan_prefill(2, 4).window_fraction == 0.25
 
 
-# -- a reference selector on the protocol ---------------------------------------------------
+# -- a selector on the protocol -------------------------------------------------------------
 
 
-class ExactTopK:
-    """Exact top-``budget`` by the GQA group mean of softmax probabilities, plus sink/local."""
+class LastWindow:
+    """Keeps the last ``config.n_local`` positions of every row (all KV heads alike)."""
+
+    name = "last_window"
 
     def __init__(self, config: SelectorConfig) -> None:
         self.config = config
@@ -249,160 +261,131 @@ class ExactTopK:
     def init_state(
         self,
         spec: AttentionSpec,
+        *,
         capacity: int,
         max_seq_len: int,
+        num_kv_locations: int | None = None,
+        kv_page_size: int = 1,
+        kv_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
-    ) -> SequenceStatePool:
+    ) -> SelectorState:
         pool = SequenceStatePool(capacity, device)
-        pool.add_field("retrievals", (len(spec.selectable_layers),), torch.int64)
-        return pool
+        pool.add_field("steps", (spec.num_layers,), torch.int64)
+        n = num_kv_locations if num_kv_locations is not None else capacity * max_seq_len
+        side = SideCache(n, kv_page_size, device)
+        side.add_field("key_norm", (spec.num_kv_heads,), torch.float32, fill=-1.0)
+        return SelectorState(pool, side, row_stride=max_seq_len, kv_page_size=kv_page_size)
 
-    def select(self, step: DecodeStep, state: SequenceStatePool) -> Selection:
-        cache = step.cache
-        b, _, d = step.query.shape
-        hkv, g, t = cache.num_kv_heads, step.group_size, cache.max_seq_len
-        keys = cache.keys().float()  # [B, Hkv, T, D]
-        # Query head h reads KV head h // g.
-        logits = torch.einsum("bhd,bhtd->bht", step.query.float(), keys.repeat_interleave(g, dim=1))
-        valid = cache.valid_mask()  # [B, T]
-        logits = (logits * step.scaling).masked_fill(~valid.unsqueeze(1), -math.inf)
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty row has no mass
-        score = probs.view(b, hkv, g, t).mean(dim=2)  # [B, Hkv, T]
-        pos = torch.arange(t).view(1, 1, -1)
-        lens = cache.seq_lens.view(-1, 1, 1)
-        valid3 = valid.unsqueeze(1).expand(-1, hkv, -1)
-        forced = ((pos < self.config.n_sink) | (pos >= lens - self.config.n_local)) & valid3
-        ranked = score.masked_fill(forced | ~valid3, -1.0)
-        top = ranked.topk(min(self.config.budget, t), dim=-1)
-        mask = forced.clone()
-        mask.scatter_(-1, top.indices, top.values >= 0)
-        mask |= forced
-        num = mask.sum(-1)
-        stats = StepStats(
-            retrieved=torch.ones(b, hkv, dtype=torch.bool),
-            num_selected=num,
-            proxy_bytes=(cache.seq_lens * d * keys.element_size())
-            .view(-1, 1)
-            .expand(b, hkv)
-            .clone(),
+    def selection_width(self) -> int:
+        return self.config.n_local
+
+    def make_plan(
+        self,
+        state: SelectorState,
+        *,
+        batch_size: int,
+        scaling: float,
+        stats: bool = False,
+        checked: bool = False,
+    ) -> DecodePlan:
+        return DecodePlan(
+            state,
+            batch_size=batch_size,
+            num_kv_heads=state.side["key_norm"].shape[1],
+            num_layers=state.pool["steps"].shape[1],
+            width=self.selection_width(),
+            block_size=1,
+            scaling=scaling,
+            stats=stats,
+            checked=checked,
         )
-        state["retrievals"][step.slots, 0] += 1
-        return Selection.from_mask(mask, stats=stats)
+
+    def select(
+        self, plan: DecodePlan, layer: int, query: torch.Tensor, kv: KVLayout, state: SelectorState
+    ) -> Selection | None:
+        w = self.selection_width()
+        lens = plan.seq_lens.view(-1, 1, 1)
+        counts = lens.clamp(max=w)
+        first = lens - counts
+        k = torch.arange(w, dtype=I32, device=lens.device).view(1, 1, -1)
+        sel = plan.selection
+        sel.indices.copy_((first + k).expand_as(sel.indices))  # entries >= count: >= seq_len
+        sel.counts.copy_(counts.view(-1, 1).expand_as(sel.counts))
+        state.pool["steps"][plan.slots, layer] += 1  # padded rows count into the scratch slot
+        return sel
+
+    def write_kv(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        side = state.side
+        side["key_norm"][side.rows_of(locations)] = key.float().norm(dim=-1)
 
 
-def layouts(b: int, hkv: int, t: int, d: int, seed: int) -> tuple[ContiguousKVCache, PagedKVCache]:
-    """The same data, left-padded contiguously and scattered through a shuffled token pool."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, t + 1, (b,), generator=g)
-    lens[0] = t
-    key = torch.randn(b, hkv, t, d, generator=g)
-    value = torch.randn(b, hkv, t, d, generator=g)
-    start = t - lens  # left padding, as batched generate() does
-    cont = ContiguousKVCache(key, value, seq_lens=lens, start=start)
-    n = int(lens.sum())
-    perm = torch.randperm(n + 3, generator=g)
-    kp, vp = torch.zeros(n + 3, hkv, d), torch.zeros(n + 3, hkv, d)
-    table = torch.full((b, t), -1, dtype=torch.long)
-    used = 0
-    for r in range(b):
-        for p in range(int(lens[r])):
-            s = int(perm[used])
-            used += 1
-            table[r, p] = s
-            kp[s], vp[s] = key[r, :, int(start[r]) + p], value[r, :, int(start[r]) + p]
-    return cont, PagedKVCache(kp, vp, table, lens)
-
-
-TOPK_CASES = [
-    # (B, Hq, Hkv, T, D, budget, n_sink, n_local)
-    (1, 1, 1, 1, 4, 1, 0, 0),
-    (2, 4, 2, 37, 16, 5, 2, 3),
-    (3, 8, 1, 20, 8, 4, 1, 1),
-    (2, 8, 8, 64, 8, 16, 4, 8),
-]
-TOPK_IDS = [f"B{b}-Hq{hq}-Hkv{hkv}-T{t}-D{d}-k{k}" for b, hq, hkv, t, d, k, _, _ in TOPK_CASES]
-
-
-def test_exact_topk_satisfies_the_protocol() -> None:
-    sel = ExactTopK(SelectorConfig(budget=4))
-    assert isinstance(sel, DecodeSelector)
+def test_a_selector_satisfies_the_protocol_and_a_partial_one_does_not() -> None:
+    selector = LastWindow(SelectorConfig(n_local=3))
+    assert isinstance(selector, DecodeSelector)
     assert not isinstance(object(), DecodeSelector)
-    spec = AttentionSpec(3, 4, 2, 8, layer_types=("full", "sliding", "full"))
-    pool = sel.init_state(spec, capacity=5, max_seq_len=100)
-    assert isinstance(pool, SequenceStatePool)
-    assert pool.capacity == 5 and pool["retrievals"].shape == (5, 2)
+
+    class NoWriteKV:
+        name = "x"
+        config = None
+        init_state = selection_width = make_plan = select = LastWindow.select
+
+    class NoName:
+        config = None
+        init_state = selection_width = make_plan = select = write_kv = LastWindow.select
+
+    assert not isinstance(NoWriteKV(), DecodeSelector)
+    assert not isinstance(NoName(), DecodeSelector)
 
 
-@pytest.mark.parametrize(
-    ("b", "hq", "hkv", "t", "d", "k", "sink", "local"), TOPK_CASES, ids=TOPK_IDS
-)
-def test_exact_topk_selects_the_same_on_both_layouts(
-    b: int, hq: int, hkv: int, t: int, d: int, k: int, sink: int, local: int
-) -> None:
-    cont, paged = layouts(b, hkv, t, d, seed=t + hq)
-    selector = ExactTopK(SelectorConfig(budget=k, n_sink=sink, n_local=local))
-    pool = selector.init_state(AttentionSpec(1, hq, hkv, d), capacity=b + 2, max_seq_len=t)
-    slots = torch.arange(b) + 1
-    pool.create(slots, cont.seq_lens)
-    query = torch.randn(b, hq, d, generator=torch.Generator().manual_seed(1))
-    a = selector.select(DecodeStep(0, query, cont, slots, d**-0.5), pool)
-    p = selector.select(DecodeStep(0, query, paged, slots, d**-0.5), pool)
-    assert torch.equal(a.indices, p.indices)
-    assert torch.equal(a.stats.num_selected, p.stats.num_selected)
-    assert torch.equal(a.stats.proxy_bytes, p.stats.proxy_bytes)
-    assert bool(a.stats.retrieved.all())
-    assert pool["retrievals"][:, 0].tolist() == [0] + [2] * b + [0]  # only the step's slots
-    mask = a.to_mask(cont.seq_lens, t, hkv)
-    lens = cont.seq_lens.tolist()
-    for bi in range(b):
-        n = lens[bi]
-        forced = set(range(min(sink, n))) | set(range(max(0, n - local), n))
-        for h in range(hkv):
-            chosen = set(torch.nonzero(mask[bi, h]).flatten().tolist())
-            assert forced <= chosen
-            assert len(chosen) == min(n, len(forced) + k)
-            assert int(a.stats.num_selected[bi, h]) == len(chosen)
-    # What is read: every selected K and V row (fp32: 4 bytes) plus every cached key scored.
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_protocol_selector_runs_a_step_through_the_plan(layout: str) -> None:
+    b, hkv, d, t, w = 3, 2, 4, 9, 4
+    selector = LastWindow(SelectorConfig(n_local=w))
+    spec = AttentionSpec(2, 4, hkv, d)
+    state = selector.init_state(spec, capacity=4, max_seq_len=t)
+    plan = selector.make_plan(state, batch_size=b, scaling=d**-0.5, checked=True)
+    state.pool.create([1, 3])
+    lens, slots = i32([9, 2, 5]), torch.tensor([3, -1, 1])  # row 1 is padding
+    plan.update(lens, slots)
+    g = torch.Generator().manual_seed(0)
+    if layout == "contiguous":
+        kv: KVLayout = ContiguousKV(
+            torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), lens
+        )
+    else:
+        table = torch.randperm(b * t, generator=g).to(I32).view(b, t)
+        kv = PagedKV(
+            torch.randn(b * t, hkv, d, generator=g),
+            torch.randn(b * t, hkv, d, generator=g),
+            table,
+            torch.arange(b, dtype=I32),
+            lens,
+        )
+    kv.check_values()
+    query = torch.randn(b, 4, d, generator=g)
+    sel = selector.select(plan, 1, query, kv, state)
+    assert sel is plan.selection  # written in place
     expected = [
-        hkv * (lens[bi] * d * 4) + int(a.stats.num_selected[bi].sum()) * 2 * d * 4
-        for bi in range(b)
+        [[p >= n - w for p in range(t) if p < n] + [False] * (t - n)] * hkv for n in (9, 2, 5)
     ]
-    assert a.stats.bytes_read(head_dim=d, element_size=4).tolist() == expected
-
-
-def test_exact_topk_uses_the_group_mean_of_probabilities() -> None:
-    # One KV head, g = 2: head 0 puts almost all its mass on key 1, head 1 spreads evenly over
-    # keys 2 and 3. Group mean ~ [0, .5, .25, .25]: key 1 wins, though head 1 alone would pick
-    # 2 or 3 and the group mean of logits ([0, 25, 25, 25]) would tie keys 1, 2 and 3.
-    key = torch.zeros(1, 1, 4, 4)
-    key[0, 0, 1, 0] = 1.0
-    key[0, 0, 2, 1] = 1.0
-    key[0, 0, 3, 1] = 1.0
-    cache = ContiguousKVCache(key, key.clone())
-    query = torch.zeros(1, 2, 4)
-    query[0, 0, 0] = 50.0
-    query[0, 1, 1] = 50.0
-    sel = ExactTopK(SelectorConfig(budget=1, n_sink=0, n_local=0))
-    pool = sel.init_state(AttentionSpec(1, 2, 1, 4), 1, 4)
-    pool.create([0], [4])
-    out = sel.select(DecodeStep(0, query, cache, torch.tensor([0]), 1.0), pool)
-    assert out.indices.tolist() == [[[1]]]
-
-
-@pytest.mark.parametrize(
-    ("b", "hq", "hkv", "t", "d", "k", "sink", "local"), TOPK_CASES, ids=TOPK_IDS
-)
-def test_exact_topk_with_budget_at_least_t_covers_every_valid_position(
-    b: int, hq: int, hkv: int, t: int, d: int, k: int, sink: int, local: int
-) -> None:
-    cont, paged = layouts(b, hkv, t, d, seed=2 * t + hq)
-    for budget in (t, t + 7):
-        selector = ExactTopK(SelectorConfig(budget=budget, n_sink=sink, n_local=local))
-        pool = selector.init_state(AttentionSpec(1, hq, hkv, d), capacity=b, max_seq_len=t)
-        pool.create(list(range(b)), cont.seq_lens)
-        query = torch.randn(b, hq, d)
-        for cache in (cont, paged):
-            out = selector.select(DecodeStep(0, query, cache, torch.arange(b), 1.0), pool)
-            mask = out.to_mask(cache.seq_lens, t, hkv)
-            assert torch.equal(mask, cache.valid_mask().unsqueeze(1).expand(-1, hkv, -1))
-            assert out.stats.num_selected.tolist() == [[n] * hkv for n in cache.seq_lens.tolist()]
+    assert sel.to_mask(lens, t).tolist() == expected
+    assert sel.num_tokens(lens).tolist() == [[4, 4], [2, 2], [4, 4]]
+    # Slots 3 and 1 advanced at layer 1 only; the padded row went to the scratch slot.
+    steps = state.pool["steps"]
+    assert steps[:, 1].tolist() == [0, 1, 0, 1, 1] and not steps[:, 0].any()
+    # The side cache follows KV locations; location -1 lands in the scratch row.
+    locs = torch.tensor([0, 7, -1])
+    key = torch.full((3, hkv, d), 0.5)
+    selector.write_kv(state, 1, locs, key, key)
+    norm = state.side["key_norm"]
+    assert norm[[0, 7, state.side.scratch_location]].tolist() == [[1.0] * hkv] * 3
+    assert int((norm == -1.0).all(dim=1).sum()) == norm.shape[0] - 3
+    step = DecodeStep(1, query, kv, plan)
+    assert step.group_size == 2 and step.seq_lens is lens

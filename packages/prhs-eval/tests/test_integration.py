@@ -93,9 +93,11 @@ def test_state_lives_on_the_cache_and_restarts_with_a_new_prefill(make_tiny):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(**batch, past_key_values=cache, use_cache=True)
-        pool = runtime.state_for(cache)
-        assert pool is not None and pool.active_slots == (0, 1)
-        assert pool.length(0) == 30
+        state = runtime.state_for(cache)
+        assert state is not None and state.pool.active_slots == (0, 1)
+        assert runtime.plan_for(cache) is None  # no decode step yet
+        # The prompt's keys were written to the side cache: CIS keeps none, so check the layout.
+        assert state.row_stride >= 128
         with torch.no_grad():
             model(
                 input_ids=torch.tensor([[5], [6]]),
@@ -103,11 +105,12 @@ def test_state_lives_on_the_cache_and_restarts_with_a_new_prefill(make_tiny):
                 use_cache=True,
                 attention_mask=torch.ones(2, 31, dtype=torch.long),
             )
-        assert pool.length(0) == 31
+        plan = runtime.plan_for(cache)
+        assert plan is not None and plan.seq_lens.tolist() == [31, 31]
         other = DynamicCache(config=model.config)
         with torch.no_grad():
             model(**batch, past_key_values=other, use_cache=True)
-        assert runtime.state_for(other) is not pool and runtime.state_for(cache) is pool
+        assert runtime.state_for(other) is not state and runtime.state_for(cache) is state
     finally:
         runtime.disable()
 
@@ -123,9 +126,9 @@ def test_psaw_prefill_mask_follows_the_plan_per_left_padded_row(make_tiny):
         base = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t) & valid.view(2, 1, 1, t)
         mask = runtime._prefill_mask(3, base, start, t)
         for b, n in enumerate(lengths):
-            plan = runtime.selector.plan_prefill(3, 4, n)
+            plan = runtime.selector.plan_prefill(3, 4)
             s = t - n
-            expected = plan.attention_mask()
+            expected = plan.attention_mask(n)
             torch.testing.assert_close(mask[b, 0, s:, s:], expected)
             assert not bool(mask[b, 0, :, :s].any())  # padding never attended
     finally:
@@ -158,11 +161,11 @@ def test_etf_freezes_the_planned_prefix(make_tiny):
     for i in range(4):
         hidden_in, out = seen[i]
         for b, n in enumerate([24, 16]):
-            e = runtime.selector.plan_prefill(i, 4, n).frozen_prefix
+            e = runtime.selector.plan_prefill(i, 4).frozen_prefix(n)
             s = 24 - n
             assert torch.equal(out[b, s : s + e], hidden_in[b, s : s + e])
             assert not torch.equal(out[b, s + e :], hidden_in[b, s + e :])
-    assert runtime.selector.plan_prefill(3, 4, 24).frozen_prefix > 0
+    assert runtime.selector.plan_prefill(3, 4).frozen_prefix(24) > 0
 
 
 def test_bad_input_is_rejected_before_the_model_changes(make_tiny):

@@ -124,6 +124,8 @@ class DecodePlan:
 
         ``seq_lens [B]``: cached positions per row, the current token included. ``slots [B]``:
         state slot per row; a negative slot marks a padded row, which uses the scratch slot.
+        Pass ``slots`` on the CPU when the host has them there: :attr:`seeding` is then exact
+        (true only when a row of this batch is at its first decode step).
         """
         check_index_tensor("seq_lens", seq_lens, ndim=1)
         check_index_tensor("slots", slots, ndim=1)
@@ -143,7 +145,10 @@ class DecodePlan:
         self.seq_lens.copy_(seq_lens, non_blocking=True)
         dev_slots = slots.to(self.slots.device, non_blocking=True).long()
         self.slots.copy_(torch.where(dev_slots >= 0, dev_slots, self.state.pool.scratch_slot))
-        self.seeding = self.state.pool.take_created()
+        # Slots on the CPU are host metadata: which rows are new is known exactly. Slots on a
+        # device are not read: then any sequence created since the last step counts.
+        host = [int(s) for s in slots.tolist()] if slots.device.type == "cpu" else None
+        self.seeding = self.state.pool.take_created(host)
 
     def summary(self) -> dict[str, float]:
         """The running totals as host numbers: ``retrieval_ratio`` (%), ``avg_selected`` and the

@@ -212,7 +212,7 @@ class PrefillLayerPlan:
     ) -> torch.Tensor:
         """``[L, L]`` bool, ``True`` where row ``i`` may attend to column ``j`` (the reference a
         prefill kernel is tested against)."""
-        n = prompt_len
+        n = check_int("prompt_len", prompt_len, minimum=0)
         i = torch.arange(n, device=device).view(-1, 1)
         j = torch.arange(n, device=device).view(1, -1)
         mask = j <= i

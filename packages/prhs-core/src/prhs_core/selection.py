@@ -156,6 +156,7 @@ class Selection:
         """``[B, Hkv, K_max * s]`` int64 token positions; ``-1`` for unused entries and for
         positions past each sequence's end."""
         check_index_tensor("seq_lens", seq_lens, ndim=1)
+        check_shape("seq_lens", seq_lens, (self.counts.shape[0],), "[B]")
         idx = torch.where(self.entry_mask(), self.indices, -1).to(torch.long)
         s = self.block_size
         if s > 1:
@@ -172,6 +173,7 @@ class Selection:
 
     def to_mask(self, seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
         """``[B, Hkv, max_len]`` bool mask of the positions read (for metrics and tests)."""
+        check_int("max_len", max_len, minimum=0)
         b, h = self.counts.shape
         pos = self.positions(seq_lens)
         mask = torch.zeros(b, h, max_len + 1, dtype=torch.bool, device=pos.device)
@@ -186,6 +188,8 @@ class Selection:
         if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
             raise ValueError("mask must be a [B, Hkv, T] bool tensor")
         check_bool_mask("mask", mask, tuple(mask.shape))
+        if width is not None:
+            check_int("width", width, minimum=0)
         counts = mask.sum(-1).to(torch.int32)
         if width is None:
             width = int(counts.max()) if counts.numel() else 0

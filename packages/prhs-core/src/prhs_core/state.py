@@ -106,6 +106,8 @@ class SequenceStatePool(_Fields):
     device:
         Where the fields live (the cache's device).
 
+    Notes
+    -----
     Fields are ``[capacity + 1, *shape]``: index them with slot ids; row ``capacity`` is
     :attr:`scratch_slot`.
     """
@@ -115,7 +117,7 @@ class SequenceStatePool(_Fields):
         super().__init__(capacity + 1, device)
         self.capacity = capacity
         self._active = [False] * capacity  # host-side bookkeeping
-        self._created_since_plan = False
+        self._pending: set[int] = set()  # created, not yet seen by a plan
 
     @property
     def scratch_slot(self) -> int:
@@ -154,7 +156,7 @@ class SequenceStatePool(_Fields):
         for s in ids:
             self._active[s] = True
         self._reset_rows(torch.tensor(ids, dtype=torch.long, device=self.device))
-        self._created_since_plan = True
+        self._pending.update(ids)
 
     def release(self, slots: SlotsLike) -> None:
         """End the sequences in ``slots``; the slots become free for reuse."""
@@ -164,17 +166,24 @@ class SequenceStatePool(_Fields):
             raise ValueError(f"release: slots {idle} hold no sequence")
         for s in ids:
             self._active[s] = False
+        self._pending.difference_update(ids)
 
     def release_all(self) -> None:
         """End every live sequence (a host resetting its cache)."""
         self.release(list(self.active_slots))
 
-    def take_created(self) -> bool:
-        """Whether a slot was created since the last call (host bookkeeping, no device read);
-        a plan asks once per step so selectors that seed state at a sequence's first decode step
-        know whether to."""
-        created, self._created_since_plan = self._created_since_plan, False
-        return created
+    def take_created(self, slots: Sequence[int] | None = None) -> bool:
+        """Whether a sequence created since it was last asked about is among ``slots`` (host
+        ints; ``None``: any slot), forgetting the ones asked about. Host bookkeeping, no device
+        read: a plan asks once per step, so selectors that seed state at a sequence's first
+        decode step (H2O) know whether to score this step."""
+        if slots is None:
+            hit = bool(self._pending)
+            self._pending.clear()
+            return hit
+        hit = any(s in self._pending for s in slots)
+        self._pending.difference_update(slots)
+        return hit
 
     # -- queries --------------------------------------------------------------------------
     def is_active(self, slot: int) -> bool:
@@ -206,6 +215,8 @@ class SideCache(_Fields):
     device:
         Where the fields live.
 
+    Notes
+    -----
     Token fields (:meth:`add_field`) are ``[num_locations + 1, *shape]`` and page fields
     (:meth:`add_page_field`) ``[num_pages + 1, *shape]``: the last row of each is scratch
     (:attr:`scratch_location`, :attr:`scratch_page`), where reads and writes of locations that

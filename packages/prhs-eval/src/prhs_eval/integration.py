@@ -10,17 +10,23 @@ What it installs (transformers 5.x):
 
 - an ``AttentionInterface`` entry ``"prhs"`` (and the matching ``AttentionMaskInterface`` entry,
   which always materialises the boolean mask so padding and Gemma3's sliding windows arrive in
-  every layer). At decode, every full-attention layer builds a
-  :class:`~prhs_core.cache.ContiguousKVCache` over the layer's cache, asks the selector for a
-  :class:`~prhs_core.selection.Selection` and runs
-  :func:`prhs_kernels.sparse_decode_attention` over it. Sliding-window layers (Gemma3's local
-  layers) run the model's own SDPA attention. At prefill, a selector with a prefill plan (PSAW)
-  restricts each row's window;
+  every layer). Whenever a full-attention layer's K/V are written (the prompt, then each new
+  token), they go to the selector's side caches (``write_kv``). At decode, one
+  :class:`~prhs_core.plan.DecodePlan` per step carries the rows' lengths; every full-attention
+  layer wraps its cache in a :class:`~prhs_core.layout.ContiguousKV`, asks the selector for a
+  :class:`~prhs_core.selection.Selection` and runs :func:`prhs_kernels.sparse_decode_attention`
+  over it. Sliding-window layers (Gemma3's local layers) run the model's own SDPA attention. At
+  prefill, a selector with a prefill plan (PSAW) restricts each row's window;
 - a forward hook on every decoder layer for ETF: the frozen prefix's hidden states leave the
   layer as they entered it (their keys/values at that layer are still computed from them);
-- forward pre-hooks that find the live ``Cache`` object. The selector's per-sequence state (a
-  :class:`~prhs_core.state.SequenceStatePool`, slot ``b`` = batch row ``b``) is stored *on* that
-  cache, so it goes wherever the cache goes, and a fresh prefill into a cache starts fresh state.
+- forward pre-hooks that find the live ``Cache`` object. The selector's state (a
+  :class:`~prhs_core.state.SelectorState`, slot ``b`` = batch row ``b``) and the plan are stored
+  *on* that cache, so they go wherever the cache goes, and a fresh prefill into a cache starts
+  fresh state. A cache prefilled without prhs gets its state at the first decode step, each
+  layer's cached K/V written to the side caches then.
+
+On the CPU the plan is *checked* (values validated on the host, a non-finite query raises); on
+CUDA it is not, and a non-finite query is skipped and counted (``runtime.nonfinite_count()``).
 
 Supported families: Llama (SmolLM2), Qwen2 and Gemma3. Anything else raises
 :class:`UnsupportedModelError` before any change is made. Beam search (which reorders cache rows)
@@ -30,17 +36,19 @@ is not supported.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from prhs_core.cache import ContiguousKVCache
 from prhs_core.config import AttentionSpec, LayerType
+from prhs_core.layout import ContiguousKV
+from prhs_core.plan import DecodePlan
 from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillPlanner
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
-from prhs_core.state import SequenceStatePool
-from prhs_kernels import sparse_decode_attention
+from prhs_core.state import SelectorState
+from prhs_kernels import sparse_decode_attention, token_locations
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -54,9 +62,19 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "prhs"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "gemma3_text", "gemma3")
-_POOL_ATTR = "_prhs_state_pool"
+_STATE_ATTR = "_prhs_state"
 
-StepObserver = Callable[[DecodeStep, Selection], None]
+StepObserver = Callable[[DecodeStep, Selection | None], None]
+
+
+@dataclass
+class _CacheState:
+    """What prhs keeps on one transformers ``Cache``: the selector state, the decode plan, and
+    which layers' cached K/V the side caches already hold."""
+
+    state: SelectorState
+    plan: DecodePlan | None = None
+    written: set[int] = field(default_factory=set)
 
 
 class UnsupportedModelError(ValueError):
@@ -161,8 +179,15 @@ class PrhsRuntime:
         :meth:`add_observer`.
     """
 
-    def __init__(self, model: Any, selector: DecodeSelector, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        selector: DecodeSelector,
+        max_seq_len: int,
+        checked: bool | None = None,
+    ) -> None:
         self.model = model
+        self.checked = checked
         self.selector = selector
         self.spec = attention_spec(model.config)
         self.max_seq_len = max_seq_len
@@ -215,18 +240,82 @@ class PrhsRuntime:
         self.observers.append(fn)
 
     # -- state ------------------------------------------------------------------------------
-    def state_for(self, cache: Any) -> SequenceStatePool | None:
+    def state_for(self, cache: Any) -> SelectorState | None:
         """The selector state stored on ``cache`` (``None`` before its first prefill)."""
-        return getattr(cache, _POOL_ATTR, None) if cache is not None else None
+        held = getattr(cache, _STATE_ATTR, None) if cache is not None else None
+        return held.state if held is not None else None
+
+    def plan_for(self, cache: Any) -> DecodePlan | None:
+        """The decode plan stored on ``cache`` (``None`` before its first decode step)."""
+        held = getattr(cache, _STATE_ATTR, None) if cache is not None else None
+        return held.plan if held is not None else None
+
+    def nonfinite_count(self, cache: Any = None) -> int:
+        """Non-finite queries and keys skipped so far on ``cache`` (the live one by default)."""
+        state = self.state_for(cache if cache is not None else self._cache)
+        return state.nonfinite_count() if state is not None else 0
 
     def _new_state(
-        self, cache: Any, batch: int, lens: torch.Tensor, device: torch.device
-    ) -> SequenceStatePool:
-        pool = self.selector.init_state(self.spec, batch, self.max_seq_len, device)
-        pool.create(list(range(batch)), lens)
+        self, cache: Any, batch: int, dtype: torch.dtype, device: torch.device
+    ) -> _CacheState:
+        state = self.selector.init_state(
+            self.spec,
+            capacity=batch,
+            max_seq_len=self.max_seq_len,
+            kv_dtype=dtype,
+            device=device,
+        )
+        state.pool.create(list(range(batch)))
+        held = _CacheState(state)
         if cache is not None:
-            setattr(cache, _POOL_ATTR, pool)
-        return pool
+            setattr(cache, _STATE_ATTR, held)
+        return held
+
+    def _plan(
+        self, held: _CacheState, batch: int, scaling: float, device: torch.device
+    ) -> DecodePlan:
+        plan = held.plan
+        if plan is None or plan.batch_size != batch or plan.scaling != scaling:
+            checked = self._checked(device)
+            plan = self.selector.make_plan(
+                held.state,
+                batch_size=batch,
+                scaling=scaling,
+                stats=bool(self.observers),
+                checked=checked,
+            )
+            held.plan = plan
+        return plan
+
+    def _checked(self, device: torch.device) -> bool:
+        return self.checked if self.checked is not None else device.type != "cuda"
+
+    def _write_kv(
+        self,
+        held: _CacheState,
+        layer: int,
+        kv: ContiguousKV,
+        first: torch.Tensor,
+    ) -> None:
+        """Write logical positions ``[first[b], seq_lens[b])`` of each row to the side caches."""
+        b, _, t, _ = kv.k.shape
+        pos = torch.arange(t, device=kv.k.device).view(1, -1).expand(b, -1)
+        pos = torch.where(pos >= first.view(-1, 1), pos, -1)
+        loc = token_locations(kv, pos, held.state.row_stride)  # -1 where none
+        start = kv.start.long() if kv.start is not None else torch.zeros_like(first)
+        col = (pos + start.view(-1, 1)).clamp(0, t - 1)
+        rows = torch.arange(b, device=kv.k.device).view(-1, 1).expand(b, t)
+        key = kv.k[rows, :, col]  # [B, T, Hkv, D]
+        value = kv.v[rows, :, col]
+        self.selector.write_kv(
+            held.state,
+            layer,
+            loc.flatten(),
+            key.flatten(0, 1),
+            value.flatten(0, 1),
+            checked=self._checked(kv.k.device),
+        )
+        held.written.add(layer)
 
     # -- hooks ------------------------------------------------------------------------------
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -251,10 +340,8 @@ class PrhsRuntime:
             start, lens = _row_bounds(self._row_mask, b, t, hidden_in.device)
             self._prompt_rows = list(zip(start.tolist(), lens.tolist(), strict=True))
         # Frozen rows [start, start + E_ℓ(length)) of each sequence, as a per-row bound.
-        frozen_len = [
-            self._planner.plan_prefill(layer, self.spec.num_layers, n).frozen_prefix
-            for _, n in self._prompt_rows
-        ]
+        plan = self._planner.plan_prefill(layer, self.spec.num_layers)
+        frozen_len = [plan.frozen_prefix(n) for _, n in self._prompt_rows]
         if not any(frozen_len):
             return output
         lo = torch.tensor([s for s, _ in self._prompt_rows], device=hidden_in.device)
@@ -267,7 +354,7 @@ class PrhsRuntime:
     # -- attention --------------------------------------------------------------------------
     def attend(
         self,
-        module: Any,
+        module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -291,27 +378,43 @@ class PrhsRuntime:
             last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
             self._rows = _row_bounds(last_row, b, tk, query.device)
         start, lens = self._rows
+        kv = ContiguousKV(key, value, lens.to(torch.int32), start.to(torch.int32))
         if tq > 1:
             if layer == self._first_layer and self._fresh_prefill:
-                self._new_state(self._cache, b, lens, query.device)
+                self._new_state(self._cache, b, key.dtype, query.device)
+            held = getattr(self._cache, _STATE_ATTR, None)
+            if held is not None and self._fresh_prefill and tq == tk:
+                self._write_kv(held, layer, kv, torch.zeros_like(lens))
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
                 mask = self._prefill_mask(layer, attention_mask, start, tk)
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
 
-        pool = self.state_for(self._cache)
-        if pool is None:  # decoding into a cache prefilled without prhs
-            pool = self._new_state(self._cache, b, lens - 1, query.device)
+        held = getattr(self._cache, _STATE_ATTR, None)
+        if held is None:  # decoding into a cache prefilled without prhs
+            held = self._new_state(self._cache, b, key.dtype, query.device)
+        plan = self._plan(held, b, scale, query.device)
         if layer == self._first_layer:
-            pool.append(list(range(b)), 1)
-        view = ContiguousKVCache(key, value, lens, start, check_values=False)
-        slots = torch.arange(b, device=query.device)
-        step = DecodeStep(layer, query[:, :, 0], view, slots, scale)
-        selection = self.selector.select(step, pool)
-        for fn in self.observers:
-            fn(step, selection)
-        out, _ = sparse_decode_attention(step.query, view, selection, scale)
+            plan.update(lens.to(torch.int32), torch.arange(b))
+        # The new token's K/V (or, on a cache prefilled without prhs, all of them).
+        first = lens - 1 if layer in held.written else torch.zeros_like(lens)
+        self._write_kv(held, layer, kv, first)
+        kv = ContiguousKV(key, value, plan.seq_lens, start.to(torch.int32))
+        q = query[:, :, 0]
+        selection = self.selector.select(plan, layer, q, kv, held.state)
+        if self.observers:
+            step = DecodeStep(layer, q, kv, plan)
+            for fn in self.observers:
+                fn(step, selection)
+        out, _ = sparse_decode_attention(q, kv, selection, plan.scaling)
         return out.unsqueeze(1), None
+
+    def summary(self, cache: Any = None) -> dict[str, float]:
+        """Running totals of the live (or given) cache's plan: decisions, retrievals, selected
+        positions, proxy bytes, ``retrieval_ratio`` (%) and ``avg_selected`` (needs an
+        observer, which switches statistics on; ``{}`` otherwise)."""
+        plan = self.plan_for(cache if cache is not None else self._cache)
+        return plan.summary() if plan is not None else {}
 
     def _prefill_mask(
         self, layer: int, mask: torch.Tensor | None, start: torch.Tensor, t: int
@@ -321,14 +424,14 @@ class PrhsRuntime:
         row's first position; the longest prompt fills all ``t`` columns."""
         assert self._planner is not None
         b, device = start.shape[0], start.device
-        plan = self._planner.plan_prefill(layer, self.spec.num_layers, t)
+        plan = self._planner.plan_prefill(layer, self.spec.num_layers)
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         base = mask.to(torch.bool) if mask is not None else causal.expand(b, 1, t, t)
-        if plan.window_start is None:
+        if plan.window_fraction == 0.0:
             return base
         pos = torch.arange(t, device=device)
         logical = pos.view(1, -1) - start.view(-1, 1)  # [B, T], negative in padding
-        lo = plan.window_start.to(device)[logical.clamp(0, plan.prompt_len - 1)]  # [B, T]
+        lo = plan.window_start(t, device)[logical.clamp(0, t - 1)]  # [B, T]
         rows = lo.view(b, 1, t, 1)
         cols = logical.view(b, 1, 1, t)
         allowed = (cols >= rows) | (cols < plan.n_sink)
@@ -340,6 +443,7 @@ def enable(
     selector: str | DecodeSelector = "prhs",
     *,
     max_seq_len: int | None = None,
+    checked: bool | None = None,
     **options: Any,
 ) -> PrhsRuntime:
     """Make ``model`` decode (and, for PSAW/ETF/CPE, prefill) through a prhs selector.
@@ -353,6 +457,10 @@ def enable(
     max_seq_len:
         Longest sequence the selector state must hold; the model's
         ``max_position_embeddings`` by default.
+    checked:
+        Validate lengths and queries on the host at every decode step and raise on a non-finite
+        query (``None``: on unless the model is on CUDA). Off, a non-finite query is skipped and
+        counted (:meth:`PrhsRuntime.nonfinite_count`).
     **options:
         Config values for a named selector (``budget=128``, ``tau=0.9`` ...), validated before
         the model is touched.
@@ -382,7 +490,7 @@ def enable(
     if max_seq_len is None:
         max_seq_len = int(getattr(config, "max_position_embeddings", 0) or 32768)
     register_attention()
-    runtime = PrhsRuntime(model, sel, max_seq_len)
+    runtime = PrhsRuntime(model, sel, max_seq_len, checked)
     runtime._install()
     model._prhs_runtime = runtime
     return runtime

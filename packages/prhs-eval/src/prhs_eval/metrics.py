@@ -24,6 +24,7 @@ import torch
 from prhs_core import theory
 from prhs_core.protocols import DecodeStep
 from prhs_core.selection import Selection
+from prhs_kernels.score import score_keys
 
 __all__ = ["SelectionMeter", "SelectionMetrics"]
 
@@ -144,19 +145,18 @@ class SelectionMeter:
     def _add(self, name: str, value: torch.Tensor) -> None:
         self._sums[name] = self._sums.get(name, 0.0) + float(value.double().sum())
 
-    def __call__(self, step: DecodeStep, selection: Selection) -> None:
-        """Measure one layer's selection at one decode step."""
-        cache = step.cache
+    def __call__(self, step: DecodeStep, selection: Selection | None) -> None:
+        """Measure one layer's selection at one decode step (``None``: dense)."""
+        kv = step.kv
         b, hq, d = step.query.shape
-        h = cache.num_kv_heads
-        g = hq // h
-        t = cache.max_seq_len
-        keys = cache.keys().double()
-        q = step.query.reshape(b, h, g, d).double()
-        valid = cache.valid_mask()
-        logits = torch.einsum("bhgd,bhtd->bhgt", q, keys) * step.scaling
-        logits = logits.masked_fill(~valid.view(b, 1, 1, t), float("-inf"))
-        chosen = selection.to_mask(cache.seq_lens, t, h)  # [B, H, T]
+        h = kv.num_kv_heads
+        t = kv.max_len
+        logits = score_keys(step.query, kv, step.scaling, dtype=torch.float64)  # [B, H, g, T]
+        if selection is None:
+            pos = torch.arange(t, device=logits.device).view(1, 1, -1)
+            chosen = (pos < kv.seq_lens.view(-1, 1, 1)).expand(b, h, t)
+        else:
+            chosen = selection.to_mask(kv.seq_lens, t)  # [B, H, T]
         chosen_q = chosen.unsqueeze(2)
 
         # Everything in float64 from one set of logits, in log space where it matters (§2.7).
@@ -191,7 +191,7 @@ class SelectionMeter:
         self._add("beta", beta)
         self._add("overlap", overlap)
         self._add("recall", recall)
-        stats = selection.stats
+        stats = step.plan.stats
         if stats is not None:
             self._add("retrieved", stats.retrieved.double())
             self._add("avg_kv", stats.num_selected.double())
@@ -203,7 +203,7 @@ class SelectionMeter:
         else:
             self._add("avg_kv", size.double())
         self._dense_total += (
-            float(cache.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
+            float(kv.seq_lens.double().sum()) * h * 2 * d * step.query.element_size()
         )
 
         if self._last_layer is None or step.layer <= self._last_layer:

@@ -78,10 +78,11 @@ def _task_parameters(task: str) -> set[str]:
 def _changes_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
     if not isinstance(selector, PrefillPlanner):
         return False
-    return any(
-        not selector.plan_prefill(layer, num_layers, prompt_len).is_dense
-        for layer in range(num_layers)
-    )
+    for layer in range(num_layers):
+        plan = selector.plan_prefill(layer, num_layers)
+        if plan.window_fraction > 0.0 or plan.frozen_prefix(prompt_len) > 0:
+            return True
+    return False
 
 
 @dataclass

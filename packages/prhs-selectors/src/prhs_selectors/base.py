@@ -11,13 +11,16 @@ GQA: one decision per KV head; a position's score for a KV head is the mean of i
 heads' attention probabilities (query head ``h`` belongs to KV head ``h // g``).
 
 Non-finite input: a (sequence, KV head) whose query holds a NaN or an infinity is *skipped*: it
-reads only its sink and local windows, its persistent state is left as it was, and it is counted
-in ``state.nonfinite``. A checked plan raises instead, before anything changes. Key rows written
-through :meth:`BaseSelector.write_kv` are treated the same way.
+reads only the positions its selector picks without scoring (the sink and local windows, and
+H2O's recent window), its persistent state is left as it was, and it is counted in
+``state.nonfinite``. A checked plan raises instead, before anything changes. A non-finite key row
+written through :meth:`BaseSelector.write_kv` is never folded into a side cache (its location is
+still reset, so no stale metadata survives) and is counted; ``checked=True`` raises instead.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -36,8 +39,8 @@ from prhs_kernels.topk import topk_indices
 __all__ = ["ROW_STRIDE_ALIGN", "BaseSelector", "group_probs", "nonfinite_rows"]
 
 ROW_STRIDE_ALIGN = 256
-"""Contiguous layouts: side-cache rows are ``max_seq_len`` rounded up to this many locations, so
-every page or block size up to it starts on a page boundary."""
+"""Contiguous layouts: side-cache rows are ``max_seq_len`` rounded up to a multiple of this many
+locations and of the selector's side-cache page size, so every row starts on a page boundary."""
 
 
 def group_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -123,8 +126,10 @@ class BaseSelector:
         check_int("kv_page_size", kv_page_size, minimum=1)
         if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
             raise TypeError(f"kv_dtype must be a floating torch.dtype, got {kv_dtype!r}")
-        row_stride = -(-max_seq_len // ROW_STRIDE_ALIGN) * ROW_STRIDE_ALIGN
         page = self.side_page_size()
+        # A row must start on a page boundary of the side cache: a multiple of the page too.
+        align = math.lcm(ROW_STRIDE_ALIGN, page)
+        row_stride = -(-max_seq_len // align) * align
         paged = num_kv_locations is not None
         if num_kv_locations is None:
             num_kv_locations = capacity * row_stride
@@ -242,10 +247,12 @@ class BaseSelector:
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        *,
+        checked: bool = False,
     ) -> None:
         """The host wrote ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at KV ``locations [n]``
         (int, distinct; ``-1`` for none): update the side caches. Non-finite key rows are
-        skipped and counted."""
+        skipped and counted, or raise with ``checked=True`` (a host read)."""
         spec = self._spec()
         check_int("layer", layer, minimum=0)
         if layer >= spec.num_layers:
@@ -259,12 +266,13 @@ class BaseSelector:
                 f"key [n, Hkv, D] and value [n, Hkv, Dv] must have n={n} rows (one per location) "
                 f"and Hkv={spec.num_kv_heads}, got {list(key.shape)} and {list(value.shape)}"
             )
+        if checked:
+            check_values_finite("key", key, where=f" (layer {layer})")
         if state.side is None or layer not in spec.selectable_layers:
             return
-        bad = ~torch.isfinite(key).flatten(1).all(-1)  # [n]
-        state.nonfinite.add_(bad.sum())
-        loc = torch.where(bad, -1, locations.long())
-        self.write_side(state, layer, loc, key, value)
+        finite = torch.isfinite(key).flatten(1).all(-1)  # [n]
+        state.nonfinite.add_((~finite & (locations >= 0)).sum())
+        self.write_side(state, layer, locations.long(), key, value, finite)
 
     def write_side(
         self,
@@ -273,8 +281,10 @@ class BaseSelector:
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        finite: torch.Tensor,
     ) -> None:
-        """Update the side cache (selectors that keep one); ``locations`` ``-1``: skip."""
+        """Update the side cache (selectors that keep one): reset ``locations`` (``-1``: none)
+        and fold in the key rows that are ``finite``."""
 
     # -- helpers for subclasses -----------------------------------------------------------
     def num_blocks(self, kv: KVLayout) -> torch.Tensor:

@@ -35,7 +35,6 @@ from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
-from prhs_core.theory import log_reuse_certificate
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import dilate_indices
 from prhs_kernels.kv import gather_kv
@@ -150,6 +149,22 @@ def group_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Te
     return torch.logsumexp(per_head, dim=-1) - math.log(per_head.shape[-1])
 
 
+def _log_certificate(log_delta_anchor: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``log δ̂``, ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)``, float64, on the device.
+
+    The formula of :func:`prhs_core.theory.log_reuse_certificate` without its input checks,
+    which read device values on the host (no CUDA graph, no ``meta`` tensors) and raise on the
+    NaN ``ε`` of a skipped non-finite query; here a NaN ``ε`` gives a NaN ``δ̂``, never a reuse.
+    """
+    la = log_delta_anchor.double()
+    a = la + 2 * eps.double()
+    b = torch.log1p(-torch.exp(la))  # log(1 − δ_a), -inf when δ_a = 1
+    out = a - torch.logaddexp(a, b)
+    # δ_a = 0 keeps δ̂ = 0 whatever ε; an infinite shift with δ_a > 0 certifies nothing (δ̂ = 1).
+    out = torch.where(torch.isposinf(a), torch.zeros_like(out), out)
+    return torch.where(torch.isneginf(la), la, out)
+
+
 def _token_mask(parts: list[torch.Tensor], s: int, t: int, lens: torch.Tensor) -> torch.Tensor:
     """``[B, H, T]`` bool: the positions of the blocks listed in ``parts`` (``[B, H, w]`` or
     ``[B, w]``, ``-1`` for none), clipped to each length."""
@@ -254,7 +269,7 @@ class CIS(BaseSelector):
             new_keys, _ = gather_kv(kv, new_pos, values=False)
             kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
             eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
-            log_dhat = log_reuse_certificate(a_logd, eps.double())
+            log_dhat = _log_certificate(a_logd, eps)
             reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
         reuse &= ~bad
         retrieve = ~reuse & ~bad
@@ -274,6 +289,7 @@ class CIS(BaseSelector):
         pad = reuse_part.shape[-1] - m_width
         new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
         part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
+        part = part.masked_fill(bad.unsqueeze(-1), -1)  # a skipped row reads its windows only
         sel = self.compose(plan, kv, part)
 
         delta_hat = None

@@ -130,6 +130,7 @@ class H2O(BaseSelector):
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        finite: torch.Tensor,
     ) -> None:
         side = state.side
         assert side is not None

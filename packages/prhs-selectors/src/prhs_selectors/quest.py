@@ -137,6 +137,7 @@ class Quest(BaseSelector):
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        finite: torch.Tensor,
     ) -> None:
         row = layer - self.config.dense_layers
         if row < 0:
@@ -152,8 +153,10 @@ class Quest(BaseSelector):
         kmin.index_fill_(0, first, float("inf"))
         kmax.index_fill_(0, first, float("-inf"))
         k = key.to(kmin.dtype)
-        kmin.index_reduce_(0, page, k, "amin", include_self=True)
-        kmax.index_reduce_(0, page, k, "amax", include_self=True)
+        # A non-finite key resets its page (above) but is not folded in.
+        at = torch.where(finite, page, side.scratch_page).view(-1, 1, 1).expand_as(k)
+        kmin.scatter_reduce_(0, at, k, "amin", include_self=True)
+        kmax.scatter_reduce_(0, at, k, "amax", include_self=True)
 
     def select_layer(
         self,

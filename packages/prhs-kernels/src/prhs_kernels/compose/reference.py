@@ -70,7 +70,7 @@ def union_indices_reference(
     b = limit.shape[0]
     h = max((p.shape[1] for p in parts if p.ndim == 3), default=1)
     cat = torch.cat([(p if p.ndim == 3 else p.unsqueeze(1)).expand(b, h, -1) for p in parts], -1)
-    big = torch.iinfo(torch.int64).max
+    big = 1 << 62  # above every id; exact as the float ``pad`` takes (int64 max is not)
     x = cat.long()
     x = torch.where((x >= 0) & (x < limit.long().view(b, 1, 1)), x, big)
     x = torch.sort(x, dim=-1).values
