@@ -347,18 +347,21 @@ def logit_shift_bound(
 
 
 def log_reuse_certificate(
-    log_delta_anchor: torch.Tensor, eps: float | torch.Tensor
+    log_delta_anchor: torch.Tensor, eps: float | torch.Tensor, *, check: bool = True
 ) -> torch.Tensor:
     """``log δ̂`` with ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)``, from ``log δ_a``.
 
     Working in log space keeps a tiny anchor mass (``log δ_a = −800``) from rounding to zero.
+    ``check=False`` skips the value checks (which read device values on the host), for the
+    decode path; a NaN ``ε`` then gives a NaN bound, which certifies nothing.
     """
     check_float_tensor("log_delta_anchor", log_delta_anchor)
-    if log_delta_anchor.numel() and bool((log_delta_anchor > 0).any()):
-        raise ValueError("log_delta_anchor must be <= 0 (δ_a lies in [0, 1])")
     e = _as_tensor(eps, log_delta_anchor)
-    if e.numel() and bool((torch.isnan(e) | (e < 0)).any()):
-        raise ValueError("eps must be >= 0")
+    if check:
+        if log_delta_anchor.numel() and bool((log_delta_anchor > 0).any()):
+            raise ValueError("log_delta_anchor must be <= 0 (δ_a lies in [0, 1])")
+        if e.numel() and bool((torch.isnan(e) | (e < 0)).any()):
+            raise ValueError("eps must be >= 0")
     la = _work_dtype(log_delta_anchor)
     a = la + 2 * e.to(la.dtype)
     b = torch.log1p(-torch.exp(la))  # log(1 − δ_a), -inf when δ_a = 1

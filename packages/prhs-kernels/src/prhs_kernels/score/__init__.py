@@ -1,5 +1,9 @@
 """Exact scoring of every cached key (what a retrieval reads): K only, in the cache dtype, with
-float32 (or float64) accumulation, static shapes ``[B, Hkv, g, kv.max_len]``."""
+float32 (or float64) accumulation, static shapes ``[B, Hkv, g, kv.max_len]``.
+
+Paths: the torch reference everywhere (keys converted a chunk at a time); on CUDA, a contiguous
+half-precision cache is scored by one ``bmm`` with float32 output (:mod:`.cuda`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch
 
 from prhs_core.checks import check_float_tensor, shape_str
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_kernels.score.cuda import score_keys_bmm, supports_bmm
 from prhs_kernels.score.reference import (
     chunk_len,
     max_key_norm_reference,
@@ -19,6 +24,7 @@ __all__ = [
     "max_key_norm",
     "max_key_norm_reference",
     "score_keys",
+    "score_keys_bmm",
     "score_keys_reference",
 ]
 
@@ -57,6 +63,9 @@ def score_keys(
     check_query(query, kv)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+    if supports_bmm(query, kv, dtype):
+        assert isinstance(kv, ContiguousKV)
+        return score_keys_bmm(query, kv, scaling)
     return score_keys_reference(query, kv, scaling, dtype=dtype)
 
 

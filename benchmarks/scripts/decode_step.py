@@ -1,0 +1,504 @@
+"""The prhs decode step on a GPU: CUDA-graph correctness, then timings against dense attention.
+
+Two parts, one command (a benchmark, not a test: nothing here asserts a speed):
+
+``check``
+    For every registered selector, a decode step over a stack of Llama-3-8B-shaped attention
+    layers (Hq 32, Hkv 8, D 128, bf16), B in {1, 16} with mixed lengths and padded rows: the
+    step (K/V write, side-cache write, select, attend, for every layer) is captured with
+    ``torch.cuda.graph`` and replayed for 64 steps; every step's output must equal eager
+    execution of the same steps, and one eager step must run under
+    ``torch.cuda.set_sync_debug_mode("error")``.
+
+``bench``
+    Per-layer step time (median over repeats of a 32-step drifting query trace, ``do_bench``
+    style events) at B1·T16k, B16·T16k and B16·T64k, budget 1024: SDPA flash with GQA (the best
+    dense baseline in the image), and the prhs step of ``oracle``, ``cis``, ``quest`` and
+    ``streaming`` replayed from a CUDA graph. ``--impl old`` times the previous contracts
+    (eager; they cannot be captured) from another source tree, for the before/after table.
+
+Usage (from the repository root, packages' ``src`` on ``PYTHONPATH``)::
+
+    python benchmarks/scripts/decode_step.py check --out results.jsonl
+    python benchmarks/scripts/decode_step.py bench --out results.jsonl
+    PYTHONPATH=<old tree> python benchmarks/scripts/decode_step.py bench --impl old --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+DEV = "cuda"
+DTYPE = torch.bfloat16
+SCALING = D**-0.5
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def emit(out: Any, row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# workload: caches, a drifting query trace
+# ---------------------------------------------------------------------------------------------
+class Workload:
+    """``layers`` contiguous caches ``[B, Hkv, T_cap, D]`` and a trace of ``steps`` decode steps
+    (queries drifting slowly, so that CIS can reuse, and new keys/values)."""
+
+    def __init__(
+        self, batch: int, lens: list[int], layers: int, steps: int, drift: float, seed: int = 0
+    ) -> None:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.batch, self.layers, self.steps = batch, layers, steps
+        self.lens0 = torch.tensor(lens, dtype=torch.int32)
+        self.t_cap = max(lens) + steps + 8
+        shape = (batch, HKV, self.t_cap, D)
+        self.k = [torch.randn(shape, generator=g, device=DEV, dtype=DTYPE) for _ in range(layers)]
+        self.v = [torch.randn(shape, generator=g, device=DEV, dtype=DTYPE) for _ in range(layers)]
+        q0 = torch.randn(layers, batch, HQ, D, generator=g, device=DEV)
+        noise = torch.randn(steps, layers, batch, HQ, D, generator=g, device=DEV)
+        self.q = (q0 + drift * torch.cumsum(noise, 0)).to(DTYPE)  # [steps, L, B, Hq, D]
+        self.new_k = torch.randn(steps, layers, batch, HKV, D, generator=g, device=DEV).to(DTYPE)
+        self.new_v = torch.randn(steps, layers, batch, HKV, D, generator=g, device=DEV).to(DTYPE)
+
+    def lens_at(self, step: int) -> torch.Tensor:
+        """``[B]`` int32 cached positions at ``step`` (the step's token included)."""
+        return self.lens0 + step
+
+
+# ---------------------------------------------------------------------------------------------
+# the new contracts: plan once per step, select + attend per layer, graph-capturable
+# ---------------------------------------------------------------------------------------------
+class NewStep:
+    """One selector on a :class:`Workload`, with static inputs a CUDA graph can replay."""
+
+    def __init__(
+        self, name: str, options: dict[str, Any], w: Workload, live: int, stats: bool = False
+    ):
+        import prhs_selectors  # noqa: F401
+        from prhs_core import AttentionSpec, ContiguousKV, selectors
+        from prhs_kernels import token_locations
+
+        self.w = w
+        self.sel = selectors.create(name, **options)
+        self.spec = AttentionSpec(w.layers, HQ, HKV, D)
+        self.state = self.sel.init_state(
+            self.spec, capacity=w.batch, max_seq_len=w.t_cap, kv_dtype=DTYPE, device=DEV
+        )
+        self.state.pool.create(list(range(live)))
+        self.slots = torch.tensor([i if i < live else -1 for i in range(w.batch)])
+        self.plan = self.sel.make_plan(
+            self.state, batch_size=w.batch, scaling=SCALING, stats=stats, checked=False
+        )
+        self.q = torch.zeros(w.layers, w.batch, HQ, D, device=DEV, dtype=DTYPE)
+        self.nk = torch.zeros(w.layers, w.batch, HKV, D, device=DEV, dtype=DTYPE)
+        self.nv = torch.zeros_like(self.nk)
+        self.out = torch.zeros(w.layers, w.batch, HQ, D, device=DEV, dtype=DTYPE)
+        self.rows = torch.arange(w.batch, device=DEV)
+        # The prompt (positions before each first decode token) goes to the side caches once.
+        prompt = w.lens0.to(DEV) - 1
+        pos = torch.arange(w.t_cap, device=DEV).view(1, -1).expand(w.batch, -1)
+        pos = torch.where(pos < prompt.view(-1, 1), pos, -1)
+        for layer in range(w.layers):
+            kv = ContiguousKV(w.k[layer], w.v[layer], prompt.to(torch.int32).clamp(min=1))
+            loc = token_locations(kv, pos, self.state.row_stride)
+            key = w.k[layer].transpose(1, 2).reshape(-1, HKV, D)
+            val = w.v[layer].transpose(1, 2).reshape(-1, HKV, D)
+            self.sel.write_kv(self.state, layer, loc.flatten(), key, val)
+        self._contiguous = ContiguousKV
+
+    def load(self, step: int) -> None:
+        """Copy step ``step``'s inputs into the static buffers and update the plan (host)."""
+        self.q.copy_(self.w.q[step])
+        self.nk.copy_(self.w.new_k[step])
+        self.nv.copy_(self.w.new_v[step])
+        self.plan.update(self.w.lens_at(step), self.slots)
+
+    def run(self) -> None:
+        """The step, every layer: the host's K/V write, the side-cache write, select, attend."""
+        from prhs_kernels import sparse_decode_attention, token_locations
+
+        w, plan = self.w, self.plan
+        pos = plan.seq_lens.long() - 1
+        for layer in range(w.layers):
+            w.k[layer][self.rows, :, pos] = self.nk[layer]
+            w.v[layer][self.rows, :, pos] = self.nv[layer]
+            kv = self._contiguous(w.k[layer], w.v[layer], plan.seq_lens)
+            loc = token_locations(kv, pos.view(-1, 1), self.state.row_stride).view(-1)
+            self.sel.write_kv(self.state, layer, loc, self.nk[layer], self.nv[layer])
+            s = self.sel.select(plan, layer, self.q[layer], kv, self.state)
+            sparse_decode_attention(self.q[layer], kv, s, plan.scaling, out=self.out[layer])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step mutates (state, caches), for snapshots."""
+        st = self.state
+        ts = [st.pool[n] for n in st.pool.field_names] + [st.nonfinite]
+        if st.side is not None:
+            ts += [st.side[n] for n in st.side.field_names]
+        return ts + self.w.k + self.w.v
+
+
+def snapshot(st: NewStep) -> tuple[list[torch.Tensor], set[int]]:
+    """Every tensor the step mutates, and the pool's host record of new sequences."""
+    return [t.clone() for t in st.tensors()], set(st.state.pool._pending)
+
+
+def restore(st: NewStep, snap: tuple[list[torch.Tensor], set[int]]) -> None:
+    for t, s in zip(st.tensors(), snap[0], strict=True):
+        t.copy_(s)
+    st.state.pool._pending = set(snap[1])
+
+
+def selector_options(name: str, budget: int) -> dict[str, Any]:
+    if name in ("dense", "psaw", "etf"):
+        return {}
+    if name == "h2o":
+        return {"budget": budget}
+    if name == "cis-certified":
+        return {"budget": budget, "delta_max": 0.1}
+    return {"budget": budget}
+
+
+def registry_names() -> list[str]:
+    import prhs_selectors  # noqa: F401  (registers the built-ins without entry points)
+    from prhs_core import selectors
+
+    return sorted(selectors.names())
+
+
+def check_score(out: Any) -> None:
+    """The CUDA ``bmm`` scoring path against the torch reference (float64 truth)."""
+    from prhs_core import ContiguousKV
+    from prhs_kernels.score import score_keys
+    from prhs_kernels.score.reference import score_keys_reference
+
+    w = Workload(4, [5000, 4093, 17, 1], layers=1, steps=1, drift=0.0, seed=3)
+    kv = ContiguousKV(w.k[0], w.v[0], w.lens0.to(DEV))
+    q = w.q[0, 0]
+    fast = score_keys(q, kv, SCALING)
+    ref = score_keys_reference(q, kv, SCALING, dtype=torch.float64)
+    ok = torch.isfinite(ref)
+    err = ((fast.double() - ref).abs()[ok].max() / ref[ok].abs().max()).item()
+    emit(
+        out,
+        {
+            "part": "check",
+            "op": "score_keys (bmm path) vs float64 reference",
+            "max_rel_err": err,
+            "inf_pattern_equal": bool(torch.equal(torch.isinf(fast), ~ok)),
+        },
+    )
+
+
+def check(out: Any, steps: int, batches: list[int]) -> None:
+    names = registry_names()
+    cuda = DEV == "cuda"
+    check_score(out)
+    for batch in batches:
+        lens = [3000] if batch == 1 else [500 + 211 * i for i in range(batch)]
+        live = batch if batch == 1 else max(1, batch - 3)  # the last rows are padding (slot -1)
+        for name in [*names, "cis-certified"]:
+            base = "cis" if name == "cis-certified" else name
+            w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=batch)
+            st = NewStep(base, selector_options(name, 64), w, live)
+            snap = snapshot(st)
+            eager = []
+            for t in range(steps):
+                st.load(t)
+                st.run()
+                eager.append(st.out.clone())
+            restore(st, snap)
+            st.load(0)  # the first step (seeding, for H2O) runs eagerly in both
+            st.run()
+            graph_out = [st.out.clone()]
+            st.load(1)
+            mid = snapshot(st)
+            error = None
+            replay = st.run  # on the CPU (a dry run of this script): eager again
+            if cuda:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up outside the graph
+                    st.run()
+                torch.cuda.current_stream().wait_stream(side)
+                restore(st, mid)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        st.run()
+                    replay = graph.replay
+                except Exception as e:  # reported, not raised: every selector gets its row
+                    error = f"{type(e).__name__}: {e}"[:500]
+            equal, max_diff = False, math.nan
+            if error is None:
+                restore(st, mid)
+                replay()
+                graph_out.append(st.out.clone())
+                for t in range(2, steps):
+                    st.load(t)
+                    replay()
+                    graph_out.append(st.out.clone())
+                # Live rows only: padded rows share the scratch slot, so what they read is noise.
+                pairs = [(a[:, :live], b[:, :live]) for a, b in zip(eager, graph_out, strict=True)]
+                diffs = [
+                    (a.float() - b.float()).abs().nan_to_num(1e9).max().item() for a, b in pairs
+                ]
+                max_diff = max(diffs)
+                equal = all(torch.equal(a, b) for a, b in pairs)
+            # One eager step with syncs forbidden.
+            sync_error = None
+            restore(st, snap)
+            st.load(0)
+            st.run()
+            st.load(1)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    st.run()
+                except Exception as e:
+                    sync_error = f"{type(e).__name__}: {e}"[:300]
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            emit(
+                out,
+                {
+                    "part": "check",
+                    "selector": name,
+                    "batch": batch,
+                    "padded_rows": batch - live,
+                    "layers": 4,
+                    "steps": steps,
+                    "graph_equals_eager": equal,
+                    "max_abs_diff": max_diff,
+                    "capture_error": error,
+                    "sync_error": sync_error,
+                },
+            )
+            del st, w
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# timings
+# ---------------------------------------------------------------------------------------------
+def time_trace(fn_load: Any, fn_run: Any, steps: int, repeats: int) -> float:
+    """Median milliseconds of one step over ``repeats`` runs of the ``steps``-step trace."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for t in range(steps):
+            fn_load(t)
+            fn_run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_dense(w: Workload, repeats: int) -> float:
+    import torch.nn.functional as F
+
+    out = torch.empty(w.layers, w.batch, HQ, 1, D, device=DEV, dtype=DTYPE)
+    q = w.q[0].unsqueeze(3)  # [L, B, Hq, 1, D]
+    n = int(w.lens0.max())
+
+    def run() -> None:
+        for layer in range(w.layers):
+            out[layer] = F.scaled_dot_product_attention(
+                q[layer], w.k[layer][:, :, :n], w.v[layer][:, :, :n], enable_gqa=True
+            )
+
+    for _ in range(3):
+        run()
+    return time_trace(lambda t: None, run, 8, repeats) / w.layers
+
+
+def bench_new(name: str, w: Workload, steps: int, repeats: int, budget: int) -> dict[str, Any]:
+    opts = selector_options(name, budget)
+    # ρ̂ of the trace, measured eagerly with statistics on.
+    st = NewStep(name, opts, w, w.batch)
+    snap = snapshot(st)
+    meas = NewStep(name, opts, w, w.batch, stats=True)
+    for t in range(steps):
+        meas.load(t)
+        meas.run()
+    summary = meas.plan.summary()
+    del meas
+    restore(st, snap)  # the caches the measuring run wrote into
+    st.load(0)
+    st.run()  # first step eagerly (H2O seeding); then capture the steady state
+    st.load(1)
+    mid = snapshot(st)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        st.run()
+    torch.cuda.current_stream().wait_stream(side)
+    restore(st, mid)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st.run()
+    eager_ms = time_trace(st.load, st.run, steps, 1) / w.layers
+    ms = []
+    for _ in range(repeats):
+        restore(st, snap)
+        ms.append(time_trace(st.load, graph.replay, steps, 1) / w.layers)
+    ms.sort()
+    del st, graph
+    return {
+        "ms": ms[len(ms) // 2],
+        "eager_ms": eager_ms,
+        "retrieval_ratio": summary.get("retrieval_ratio"),
+        "avg_selected": summary.get("avg_selected"),
+    }
+
+
+def bench_old(name: str, w: Workload, steps: int, repeats: int, budget: int) -> dict[str, Any]:
+    """The previous contracts (commit ccd30e5): eager only."""
+    import prhs_selectors  # noqa: F401
+    from prhs_core import AttentionSpec, ContiguousKVCache, DecodeStep, selectors
+    from prhs_kernels import sparse_decode_attention
+
+    sel = selectors.create(name, **selector_options(name, budget))
+    spec = AttentionSpec(w.layers, HQ, HKV, D)
+    rows = torch.arange(w.batch, device=DEV)
+    slots = torch.arange(w.batch, device=DEV)
+
+    def fresh() -> Any:
+        pool = sel.init_state(spec, w.batch, w.t_cap, DEV)
+        pool.create(list(range(w.batch)), (w.lens0 - 1).tolist())
+        return pool
+
+    pool = [fresh()]
+
+    def load(t: int) -> None:
+        pass
+
+    step_box = [0]
+
+    def run() -> None:
+        t = step_box[0]
+        lens = w.lens_at(t).long().to(DEV)
+        for layer in range(w.layers):
+            w.k[layer][rows, :, lens - 1] = w.new_k[t, layer]
+            w.v[layer][rows, :, lens - 1] = w.new_v[t, layer]
+            view = ContiguousKVCache(w.k[layer], w.v[layer], lens, check_values=False)
+            step = DecodeStep(layer, w.q[t, layer], view, slots, SCALING)
+            s = sel.select(step, pool[0])
+            sparse_decode_attention(w.q[t, layer], view, s, SCALING)
+        pool[0].append(list(range(w.batch)), 1)
+        step_box[0] = t + 1
+
+    ms = []
+    for _ in range(repeats):
+        pool[0] = fresh()
+        step_box[0] = 0
+        ms.append(time_trace(load, run, steps, 1) / w.layers)
+    ms.sort()
+    return {"ms": ms[len(ms) // 2], "eager_ms": ms[len(ms) // 2]}
+
+
+def bench(out: Any, impl: str, steps: int, repeats: int, budget: int, shapes: list[str]) -> None:
+    names = ["oracle", "cis", "quest", "streaming"] if impl == "new" else ["cis", "quest"]
+    for shape in shapes:
+        b, t = shape.split("x")
+        batch, t_len = int(b), int(t) * 1024
+        # Mixed lengths: up to 1/8 shorter than T.
+        lens = [t_len - (i * t_len) // (8 * max(batch, 1)) for i in range(batch)]
+        w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=7)
+        dense = bench_dense(w, repeats)
+        kv_bytes = sum(lens) * HKV * D * 2 * 2  # one layer's K and V
+        emit(
+            out,
+            {
+                "part": "bench",
+                "impl": "sdpa",
+                "selector": "dense (SDPA flash, GQA)",
+                "shape": shape,
+                "ms": dense,
+                "TB/s": kv_bytes / dense / 1e9,
+            },
+        )
+        for name in names:
+            w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=7)
+            fn = bench_new if impl == "new" else bench_old
+            try:
+                r = fn(name, w, steps, repeats, budget)
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"[:300]}
+            emit(
+                out,
+                {
+                    "part": "bench",
+                    "impl": impl,
+                    "selector": name,
+                    "shape": shape,
+                    "budget": budget,
+                    "steps": steps,
+                    **r,
+                    "vs_dense": (r["ms"] / dense) if "ms" in r else None,
+                },
+            )
+            del w
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=["check", "bench"])
+    p.add_argument("--impl", choices=["new", "old"], default="new")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--shapes", default="1x16,16x16,16x64", help="BxTk, comma separated")
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the logic, no graphs")
+    p.add_argument("--batches", default="1,16", help="check: batch sizes")
+    a = p.parse_args(argv)
+    global DEV
+    DEV = a.device
+    out = open(a.out, "a") if a.out else None
+    emit(out, {"part": "machine", "impl": a.impl, **machine()})
+    if a.part == "check":
+        check(out, a.steps or 64, [int(b) for b in a.batches.split(",")])
+    else:
+        bench(out, a.impl, a.steps or 32, a.repeats, a.budget, a.shapes.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
