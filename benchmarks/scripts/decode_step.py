@@ -208,15 +208,44 @@ def check_score(out: Any) -> None:
     ref = score_keys_reference(q, kv, SCALING, dtype=torch.float64)
     ok = torch.isfinite(ref)
     err = ((fast.double() - ref).abs()[ok].max() / ref[ok].abs().max()).item()
+    try:
+        a = torch.ones(2, 3, 4, device=DEV, dtype=DTYPE)
+        bmm_ok = torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError) as e:
+        bmm_ok = f"{type(e).__name__}: {e}"[:200]
     emit(
         out,
         {
             "part": "check",
             "op": "score_keys (bmm path) vs float64 reference",
+            "bmm_out_dtype_supported": bmm_ok,
             "max_rel_err": err,
             "inf_pattern_equal": bool(torch.equal(torch.isinf(fast), ~ok)),
         },
     )
+    # Attention: the launcher's CUDA path against the float32 reference, dense and sparse.
+    from prhs_core import Selection
+    from prhs_kernels import sparse_decode_attention
+    from prhs_kernels.sparse_decode.reference import sparse_decode_attention_reference
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    idx = torch.randint(0, 5000, (4, HKV, 300), generator=g, device=DEV, dtype=torch.int32)
+    idx = torch.sort(idx, dim=-1).values
+    counts = torch.randint(0, 301, (4, HKV), generator=g, device=DEV, dtype=torch.int32)
+    for label, sel in (("dense", None), ("sparse", Selection(idx, counts, 1))):
+        o, lse = sparse_decode_attention(q, kv, sel, SCALING)
+        ro, rlse = sparse_decode_attention_reference(q, kv, sel, SCALING)
+        fin = torch.isfinite(rlse)
+        emit(
+            out,
+            {
+                "part": "check",
+                "op": f"sparse_decode_attention ({label}, CUDA path) vs float32 reference",
+                "out_rel_err": ((o.float() - ro.float()).norm() / ro.float().norm()).item(),
+                "lse_max_abs_err": (lse - rlse)[fin].abs().max().item(),
+                "lse_inf_pattern_equal": bool(torch.equal(fin, torch.isfinite(lse))),
+            },
+        )
 
 
 def check(out: Any, steps: int, batches: list[int]) -> None:

@@ -249,12 +249,12 @@ class CIS(BaseSelector):
         lens = kv.seq_lens.view(-1, 1)  # [B, 1] int32
 
         q = query.reshape(b, h, g, d).float()
-        qa = pool["anchor_q"][slots, layer]
-        ta = pool["anchor_len"][slots, layer]
-        a_idx = pool["anchor_idx"][slots, layer]
-        a_cnt = pool["anchor_cnt"][slots, layer]
-        a_logd = pool["anchor_log_delta"][slots, layer]
-        a_kmax = pool["anchor_kmax"][slots, layer]
+        qa = pool["anchor_q"][:, layer][slots]
+        ta = pool["anchor_len"][:, layer][slots]
+        a_idx = pool["anchor_idx"][:, layer][slots]
+        a_cnt = pool["anchor_cnt"][:, layer][slots]
+        a_logd = pool["anchor_log_delta"][:, layer][slots]
+        a_kmax = pool["anchor_kmax"][:, layer][slots]
 
         reuse = (ta > 0) & (lens - ta <= c.n_local) & (lens >= ta)
         if c.require_cosine:
@@ -311,12 +311,12 @@ class CIS(BaseSelector):
             new_kmax = max_key_norm(kv)
 
         r = retrieve
-        pool["anchor_q"][slots, layer] = torch.where(r[..., None, None], q, qa)
-        pool["anchor_len"][slots, layer] = torch.where(r, lens, ta)
-        pool["anchor_idx"][slots, layer] = torch.where(r.unsqueeze(-1), new_idx, a_idx)
-        pool["anchor_cnt"][slots, layer] = torch.where(r, new_cnt, a_cnt)
-        pool["anchor_log_delta"][slots, layer] = torch.where(r, log_d_anchor, a_logd)
-        pool["anchor_kmax"][slots, layer] = torch.where(r, new_kmax, a_kmax)
+        pool["anchor_q"][:, layer][slots] = torch.where(r[..., None, None], q, qa)
+        pool["anchor_len"][:, layer][slots] = torch.where(r, lens, ta)
+        pool["anchor_idx"][:, layer][slots] = torch.where(r.unsqueeze(-1), new_idx, a_idx)
+        pool["anchor_cnt"][:, layer][slots] = torch.where(r, new_cnt, a_cnt)
+        pool["anchor_log_delta"][:, layer][slots] = torch.where(r, log_d_anchor, a_logd)
+        pool["anchor_kmax"][:, layer][slots] = torch.where(r, new_kmax, a_kmax)
 
         proxy = torch.where(retrieve, self.retrieval_bytes(kv), float(g * d * 4))
         self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat)

@@ -135,8 +135,8 @@ class H2O(BaseSelector):
         side = state.side
         assert side is not None
         rows = side.rows_of(locations)
-        side["h2o_mass"][rows, layer] = 0.0
-        side["h2o_evicted"][rows, layer] = False
+        side["h2o_mass"][:, layer][rows] = 0.0
+        side["h2o_evicted"][:, layer][rows] = False
 
     def select_layer(
         self,
@@ -155,11 +155,11 @@ class H2O(BaseSelector):
         dev = lens.device
         pos = torch.arange(t, device=dev).view(1, -1)
         rows = side.rows_of(token_locations(kv, pos.expand(b, -1), state.row_stride))  # [B, T]
-        stored = side["h2o_mass"][rows, layer].transpose(1, 2)  # [B, Hkv, T]
+        stored = side["h2o_mass"][:, layer][rows].transpose(1, 2)  # [B, Hkv, T]
         mass = stored
-        evicted = side["h2o_evicted"][rows, layer].transpose(1, 2)
+        evicted = side["h2o_evicted"][:, layer][rows].transpose(1, 2)
         valid = (pos < lens).unsqueeze(1)  # [B, 1, T]
-        seeded = state.pool["h2o_seeded"][plan.slots, layer]  # [B]
+        seeded = state.pool["h2o_seeded"][:, layer][plan.slots]  # [B]
         seed = (~seeded).view(-1, 1, 1)
         retrieved = torch.zeros(b, 1, dtype=torch.bool, device=dev)
         proxy = lens.to(torch.float64) * 4.0
@@ -194,10 +194,10 @@ class H2O(BaseSelector):
         new_mass = padded.scatter_add(-1, scatter_at, gained)[..., :t]
 
         keep_old = bad.unsqueeze(-1)  # skipped rows leave their state as it was
-        side["h2o_mass"][rows, layer] = torch.where(keep_old, stored, new_mass).transpose(1, 2)
-        side["h2o_evicted"][rows, layer] = torch.where(keep_old, evicted, new_evicted).transpose(
+        side["h2o_mass"][:, layer][rows] = torch.where(keep_old, stored, new_mass).transpose(1, 2)
+        side["h2o_evicted"][:, layer][rows] = torch.where(keep_old, evicted, new_evicted).transpose(
             1, 2
         )
-        state.pool["h2o_seeded"][plan.slots, layer] = seeded | ~bad.all(-1)
+        state.pool["h2o_seeded"][:, layer][plan.slots] = seeded | ~bad.all(-1)
         self.record(plan, layer, kv, sel, retrieved, proxy)
         return sel

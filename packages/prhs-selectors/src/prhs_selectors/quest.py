@@ -180,8 +180,8 @@ class Quest(BaseSelector):
         loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
         rows = side.pages_of(loc)  # [B, P]
         row = layer - c.dense_layers
-        kmin = side["quest_kmin"][rows, row].transpose(1, 2).float()  # [B, Hkv, P, D]
-        kmax = side["quest_kmax"][rows, row].transpose(1, 2).float()
+        kmin = side["quest_kmin"][:, row][rows].transpose(1, 2).float()  # [B, Hkv, P, D]
+        kmax = side["quest_kmax"][:, row][rows].transpose(1, 2).float()
         page_valid = (loc >= 0)[:, None, :, None]
         q = query.reshape(b, hkv, query.shape[1] // hkv, -1).float()
         bound = page_bounds(

@@ -52,7 +52,8 @@ def dilate_indices_reference(
     mm = min(m, indices.shape[-1])
     top = indices[..., :mm].long()
     ok = (torch.arange(mm, device=indices.device) < counts.unsqueeze(-1)) & (top >= 0)
-    offs = torch.cat([torch.arange(1, r + 1), -torch.arange(1, r + 1)]).to(indices.device)
+    up = torch.arange(1, r + 1, device=indices.device)
+    offs = torch.cat([up, -up])
     nb = (top.unsqueeze(-1) + offs).flatten(-2)  # [..., mm * 2r]
     nb = torch.where(ok.repeat_interleave(2 * r, dim=-1) & (nb >= 0), nb, -1)
     if mm < m:

@@ -7,19 +7,31 @@ Triton retrieval (scoring only the heads that retrieve, with top-k) replaces it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from prhs_core.layout import ContiguousKV, KVLayout
-from prhs_kernels.score.reference import score_keys_reference
+__all__ = ["bmm_out_dtype_available", "score_keys_bmm", "supports_bmm"]
 
-__all__ = ["score_keys_bmm", "supports_bmm"]
+
+@functools.cache
+def bmm_out_dtype_available(device_type: str) -> bool:
+    """Whether this torch has ``bmm(..., out_dtype=float32)`` for bf16 on ``device_type``
+    (asked once, on a tiny product: metadata only, no host read)."""
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device_type)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def supports_bmm(query: torch.Tensor, kv: KVLayout, dtype: torch.dtype) -> bool:
     """Whether :func:`score_keys_bmm` applies: a contiguous, unpadded half-precision cache on
-    CUDA, float32 accumulation."""
+    CUDA, float32 accumulation, and a torch with ``bmm(..., out_dtype=)``."""
     return (
         query.device.type == "cuda"
+        and bmm_out_dtype_available("cuda")
         and dtype == torch.float32
         and kv.dtype in (torch.float16, torch.bfloat16)
         and isinstance(kv, ContiguousKV)
@@ -36,10 +48,7 @@ def score_keys_bmm(query: torch.Tensor, kv: ContiguousKV, scaling: float) -> tor
     t = kv.max_len
     q = query.reshape(b * h, g, d)
     k = kv.k.reshape(b * h, t, d)
-    try:
-        logits = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
-    except (TypeError, RuntimeError):  # a torch without out_dtype: the reference
-        return score_keys_reference(query, kv, scaling)
+    logits = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
     logits = logits.view(b, h, g, t) * scaling
     pos = torch.arange(t, device=logits.device, dtype=torch.int32).view(1, 1, 1, -1)
     return logits.masked_fill(pos >= kv.seq_lens.view(-1, 1, 1, 1), float("-inf"))

@@ -1,8 +1,9 @@
 """Sparse decode attention: each (sequence, KV head) reads only its selected positions.
 
-The launcher :func:`sparse_decode_attention` checks its inputs and dispatches by device; today
-it runs the float32 torch reference everywhere (the Triton and Numba paths come next, tested
-against the same reference).
+The launcher :func:`sparse_decode_attention` checks its inputs and dispatches by device: on CUDA
+with a half-precision cache, two ``bmm`` with float32 accumulation (:mod:`.cuda`); elsewhere the
+float32 torch reference. The Triton and Numba kernels come next, tested against the same
+reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from prhs_core.checks import check_shape
 from prhs_core.layout import KVLayout
 from prhs_core.selection import Selection
 from prhs_kernels.score import check_query
+from prhs_kernels.sparse_decode.cuda import sparse_decode_attention_bmm, supports_bmm
 from prhs_kernels.sparse_decode.reference import (
     dense_positions,
     sparse_decode_attention_reference,
@@ -54,7 +56,10 @@ def sparse_decode_attention(
         check_shape("out", out, (b, hq, kv.value_dim), "[B, Hq, Dv]")
     if lse is not None:
         check_shape("lse", lse, (b, hq), "[B, Hq]")
-    o, s = sparse_decode_attention_reference(query, kv, selection, scaling)
+    if supports_bmm(query, kv):
+        o, s = sparse_decode_attention_bmm(query, kv, selection, scaling)
+    else:
+        o, s = sparse_decode_attention_reference(query, kv, selection, scaling)
     if out is not None:
         out.copy_(o)
         o = out
