@@ -12,6 +12,7 @@ import functools
 import torch
 
 from prhs_core.layout import ContiguousKV, KVLayout
+
 __all__ = ["bmm_out_dtype_available", "score_keys_bmm", "supports_bmm"]
 
 
