@@ -24,16 +24,24 @@ from prhs_eval.metrics import SelectionMeter
 
 
 def tiny(family: str, device: str) -> torch.nn.Module:
-    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=4096)
+    common = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif family == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     else:
-        cfg = tf.Gemma3TextConfig(**common, sliding_window=64,
-                                  layer_types=["sliding_attention", "full_attention"] * 2)
+        cfg = tf.Gemma3TextConfig(
+            **common, sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2
+        )
         model = tf.Gemma3ForCausalLM(cfg)
     model.generation_config.pad_token_id = 0
     return model.to(device).eval()
@@ -81,8 +89,10 @@ def main() -> int:
             m = meter.result()
             ok = out.shape == dense.shape and (m.certificate_violations in (None, 0))
             failures += not ok
-            print(f"  {name:10s} ok={ok} delta={m.delta_mean:.4f} rho={m.retrieval_ratio:5.1f} "
-                  f"avg_kv={m.avg_kv:7.1f} cert={m.certificate_violations} {secs:.2f}s")
+            print(
+                f"  {name:10s} ok={ok} delta={m.delta_mean:.4f} rho={m.retrieval_ratio:5.1f} "
+                f"avg_kv={m.avg_kv:7.1f} cert={m.certificate_violations} {secs:.2f}s"
+            )
     print("FAILURES", failures)
     return 1 if failures else 0
 

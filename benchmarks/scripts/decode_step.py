@@ -461,6 +461,50 @@ def bench_old(name: str, w: Workload, steps: int, repeats: int, budget: int) -> 
     return {"ms": ms[len(ms) // 2], "eager_ms": ms[len(ms) // 2]}
 
 
+def profile(out: Any, names: list[str], shape: str, budget: int) -> None:
+    """The CUDA kernels of one eager step (all layers), by total time: where the torch path
+    spends its time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    b, t = shape.split("x")
+    batch, t_len = int(b), int(t) * 1024
+    lens = [t_len - (i * t_len) // (8 * batch) for i in range(batch)]
+    for name in names:
+        w = Workload(batch, lens, layers=4, steps=4, drift=0.02, seed=7)
+        st = NewStep(name, selector_options(name, budget), w, w.batch)
+        st.load(0)
+        st.run()
+        st.load(1)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            st.run()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: e.device_time_total, reverse=True)
+        total = sum(e.device_time_total for e in events)
+        emit(
+            out,
+            {
+                "part": "profile",
+                "selector": name,
+                "shape": shape,
+                "kernels": sum(e.count for e in events) / w.layers,
+                "gpu_ms_per_layer": total / 1000 / w.layers,
+                "top": [
+                    [
+                        e.key[:60],
+                        e.count // w.layers,
+                        round(e.device_time_total / 1000 / w.layers, 4),
+                    ]
+                    for e in events[:12]
+                ],
+            },
+        )
+        del st, w
+        torch.cuda.empty_cache()
+
+
 def bench(out: Any, impl: str, steps: int, repeats: int, budget: int, shapes: list[str]) -> None:
     names = ["oracle", "cis", "quest", "streaming"] if impl == "new" else ["cis", "quest"]
     for shape in shapes:
@@ -508,7 +552,7 @@ def bench(out: Any, impl: str, steps: int, repeats: int, budget: int, shapes: li
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["check", "bench"])
+    p.add_argument("part", choices=["check", "bench", "profile"])
     p.add_argument("--impl", choices=["new", "old"], default="new")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
@@ -522,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     DEV = a.device
     out = open(a.out, "a") if a.out else None
     emit(out, {"part": "machine", "impl": a.impl, **machine()})
-    if a.part == "check":
+    if a.part == "profile":
+        profile(out, ["streaming", "cis", "quest"], a.shapes.split(",")[0], a.budget)
+    elif a.part == "check":
         check(out, a.steps or 64, [int(b) for b in a.batches.split(",")])
     else:
         bench(out, a.impl, a.steps or 32, a.repeats, a.budget, a.shapes.split(","))

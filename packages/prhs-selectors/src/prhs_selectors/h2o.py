@@ -135,8 +135,10 @@ class H2O(BaseSelector):
         side = state.side
         assert side is not None
         rows = side.rows_of(locations)
-        side["h2o_mass"][:, layer][rows] = 0.0
-        side["h2o_evicted"][:, layer][rows] = False
+        # index_fill_ takes its value as a scalar (an assignment would copy a CPU tensor, which
+        # a CUDA graph cannot capture).
+        side["h2o_mass"][:, layer].index_fill_(0, rows, 0.0)
+        side["h2o_evicted"][:, layer].index_fill_(0, rows, False)
 
     def select_layer(
         self,

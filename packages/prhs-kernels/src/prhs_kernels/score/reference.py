@@ -29,7 +29,8 @@ def _key_chunk(kv: KVLayout, lo: int, hi: int) -> torch.Tensor:
     if isinstance(kv, ContiguousKV) and kv.start is None:
         k = kv.k[:, :, lo:hi]
         t = torch.arange(lo, hi, device=k.device, dtype=torch.int32).view(1, 1, -1, 1)
-        return torch.where(t < kv.seq_lens.view(-1, 1, 1, 1), k, torch.zeros((), dtype=k.dtype))
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)  # on the device: graph-safe
+        return torch.where(t < kv.seq_lens.view(-1, 1, 1, 1), k, zero)
     pos = torch.arange(lo, hi, device=kv.seq_lens.device).view(1, 1, -1)
     pos = pos.expand(kv.batch_size, kv.num_kv_heads, -1)
     return gather_kv_reference(kv, pos, values=False)[0]
