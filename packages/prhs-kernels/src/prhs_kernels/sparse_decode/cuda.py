@@ -16,7 +16,7 @@ from prhs_core.selection import Selection
 from prhs_kernels.kv.reference import gather_kv_reference
 from prhs_kernels.score.cuda import bmm_out_dtype_available
 
-__all__ = ["attend_bmm", "sparse_decode_attention_bmm", "supports_bmm"]
+__all__ = ["attend_bmm", "gather_rows", "sparse_decode_attention_bmm", "supports_bmm"]
 
 
 def supports_bmm(query: torch.Tensor, kv: KVLayout) -> bool:
@@ -54,6 +54,31 @@ def attend_bmm(
     return out.view(b, hq, -1).to(query.dtype), lse.view(b, hq)
 
 
+def gather_rows(kv: KVLayout, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows at ``positions [B, Hkv, P]`` by ``index_select`` on the flattened storage
+    (one vectorised gather per tensor). A position that does not exist reads the row of
+    position 0 of its sequence instead of zeros: every caller masks those entries' logits, so
+    their (finite) values get weight 0."""
+    b, h, p = positions.shape
+    pos = torch.where(positions >= 0, positions, 0).long()
+    heads = torch.arange(h, device=pos.device).view(1, h, 1)
+    if isinstance(kv, ContiguousKV):
+        if kv.start is not None:
+            pos = pos + kv.start.view(b, 1, 1).long()
+        pos = pos.clamp(0, kv.max_len - 1)
+        rows = torch.arange(b, device=pos.device).view(b, 1, 1)
+        flat = (rows * h + heads) * kv.max_len + pos
+        k_src, v_src = kv.k, kv.v
+    else:
+        slot = kv.req_to_token[kv.req_pool_indices.long().view(b, 1, 1), pos].long()
+        flat = slot.clamp(0, kv.num_slots - 1) * h + heads
+        k_src, v_src = kv.k_pool, kv.v_pool
+    idx = flat.view(-1)
+    k = k_src.reshape(-1, k_src.shape[-1]).index_select(0, idx).view(b, h, p, -1)
+    v = v_src.reshape(-1, v_src.shape[-1]).index_select(0, idx).view(b, h, p, -1)
+    return k, v
+
+
 def sparse_decode_attention_bmm(
     query: torch.Tensor, kv: KVLayout, selection: Selection | None, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +97,10 @@ def sparse_decode_attention_bmm(
         pos = pos.expand(kv.batch_size, kv.num_kv_heads, -1)
     else:
         pos = selection.positions(kv.seq_lens)
-    k, v = gather_kv_reference(kv, pos)
-    assert v is not None
+    storage = (kv.k, kv.v) if isinstance(kv, ContiguousKV) else (kv.k_pool, kv.v_pool)
+    if all(t.is_contiguous() for t in storage):
+        k, v = gather_rows(kv, pos)
+    else:  # a strided view: reshape would copy the whole cache, so gather by indexing
+        k, v = gather_kv_reference(kv, pos)  # type: ignore[assignment]
+        assert v is not None
     return attend_bmm(query, k, v, (pos < 0).unsqueeze(2), scaling)

@@ -1,0 +1,224 @@
+"""Shared test helper: the same logical K/V stored in every layout an op must accept.
+
+Tests run with ``--import-mode=importlib``, so this module cannot be imported by name; tests get
+the helper through the ``make_kv`` fixture, which returns :func:`build_kv`.
+
+:func:`build_kv` draws random *logical* keys and values for ``B`` sequences of different lengths
+and stores them in:
+
+- ``"contig"``: :class:`~prhs_core.layout.ContiguousKV` left-padded with a random ``start``;
+- ``"contig0"``: :class:`~prhs_core.layout.ContiguousKV` with ``start=None`` (right padding only);
+- ``"paged1"``: :class:`~prhs_core.layout.PagedKV`, ``page_size=1``, every position in a random
+  pool slot;
+- ``"paged16"``: :class:`~prhs_core.layout.PagedKV`, ``page_size=16``, random pages, each holding
+  16 consecutive positions of one request from a page-aligned slot.
+
+Storage that no sequence uses (padding, free pool slots, the tail of a last page) holds NaN, so a
+read of it shows up as NaN in any result. Paged tables are wider than ``max_len`` (so
+``max_len_hint`` is exercised), their unused entries point at NaN slots, their unused request
+rows hold random slots, and ``req_pool_indices`` is a random choice of rows, not ``arange``.
+
+Every layout has the same static ``max_len``, so an op gives results of the same shape on all of
+them, and they must be identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+
+LAYOUTS = ("contig", "contig0", "paged1", "paged16")
+
+
+@dataclass
+class KVData:
+    """Logical K/V and the layouts holding them.
+
+    Attributes
+    ----------
+    keys, values:
+        ``[B, Hkv, T, D]`` / ``[B, Hkv, T, Dv]`` logical data in the cache dtype; entries at
+        ``t >= lens[b]`` are NaN (they are stored nowhere).
+    lens:
+        Sequence lengths as Python ints.
+    seq_lens:
+        ``[B]`` int32.
+    max_len:
+        ``T``, the static bound shared by every layout.
+    layouts:
+        Layout name (see :data:`LAYOUTS`) to layout.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lens: list[int]
+    seq_lens: torch.Tensor
+    max_len: int
+    layouts: dict[str, KVLayout] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> KVLayout:
+        return self.layouts[name]
+
+
+def _contiguous(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lens: list[int],
+    t: int,
+    gen: torch.Generator,
+    *,
+    padded: bool,
+) -> ContiguousKV:
+    b, h, _, d = keys.shape
+    dv = values.shape[-1]
+    t_cap = t  # rows shorter than T get random left padding
+    k = torch.full((b, h, t_cap, d), float("nan"), dtype=keys.dtype)
+    v = torch.full((b, h, t_cap, dv), float("nan"), dtype=values.dtype)
+    starts = []
+    for i, n in enumerate(lens):
+        s = int(torch.randint(0, t_cap - n + 1, (1,), generator=gen)) if padded else 0
+        starts.append(s)
+        k[i, :, s : s + n] = keys[i, :, :n]
+        v[i, :, s : s + n] = values[i, :, :n]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    start = torch.tensor(starts, dtype=torch.int32) if padded else None
+    return ContiguousKV(k, v, seq_lens, start)
+
+
+def _paged(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lens: list[int],
+    t: int,
+    page_size: int,
+    gen: torch.Generator,
+) -> PagedKV:
+    b, h, _, d = keys.shape
+    dv = values.shape[-1]
+    ps = page_size
+    pages_per_row = [-(-n // ps) for n in lens]
+    n_pages = sum(pages_per_row) + 3  # three free pages, never written
+    n_slots = n_pages * ps
+    page_perm = torch.randperm(n_pages, generator=gen)
+    free_pages = page_perm[sum(pages_per_row) :]
+    free_slots = (free_pages.view(-1, 1) * ps + torch.arange(ps)).flatten()
+    k_pool = torch.full((n_slots, h, d), float("nan"), dtype=keys.dtype)
+    v_pool = torch.full((n_slots, h, dv), float("nan"), dtype=values.dtype)
+    # The table: wider than max_len (page-rounded plus 3) and with spare request rows.
+    width = -(-t // ps) * ps + 3
+    n_req = b + 3
+    table = torch.randint(0, n_slots, (n_req, width), generator=gen, dtype=torch.int32)
+    # Request slots 1 .. n_req - 1 in random order: never ``arange(B)``.
+    req_pool_indices = (1 + torch.randperm(n_req - 1, generator=gen)[:b]).to(torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        pages = page_perm[used : used + pages_per_row[i]]
+        used += pages_per_row[i]
+        pos = torch.arange(n)
+        slots = pages[pos // ps] * ps + pos % ps
+        row = free_slots[torch.randint(0, len(free_slots), (width,), generator=gen)]
+        row[:n] = slots
+        table[int(req_pool_indices[i])] = row.to(torch.int32)
+        k_pool[slots] = keys[i, :, :n].transpose(0, 1)
+        v_pool[slots] = values[i, :, :n].transpose(0, 1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return PagedKV(k_pool, v_pool, table, req_pool_indices, seq_lens, ps, max_len_hint=t)
+
+
+def build_kv(
+    lens: Sequence[int],
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    value_dim: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_len: int | None = None,
+    seed: int = 0,
+    keys: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> KVData:
+    """Random logical K/V of ``B = len(lens)`` sequences, in every layout of :data:`LAYOUTS`.
+
+    ``max_len`` (default ``max(lens)``) is the static bound ``T``. ``keys`` / ``values``
+    (``[B, Hkv, T, D]``, any float dtype) replace the random data when given; ``seed`` seeds the
+    logical data, and the layouts' own randomness (padding, slots) comes from ``seed + 1``.
+    """
+    lens = [int(n) for n in lens]
+    b = len(lens)
+    t = max(lens) if max_len is None else max_len
+    assert t >= max(lens) >= 0
+    dv = head_dim if value_dim is None else value_dim
+    g = torch.Generator().manual_seed(seed)
+    if keys is None:
+        keys = torch.randn(b, num_kv_heads, t, head_dim, generator=g, dtype=torch.float64)
+    if values is None:
+        values = torch.randn(b, num_kv_heads, t, dv, generator=g, dtype=torch.float64)
+    keys = keys.to(dtype).clone()
+    values = values.to(dtype).clone()
+    for i, n in enumerate(lens):
+        keys[i, :, n:] = float("nan")
+        values[i, :, n:] = float("nan")
+    lay = torch.Generator().manual_seed(seed + 1)
+    data = KVData(keys, values, lens, torch.tensor(lens, dtype=torch.int32), t)
+    data.layouts = {
+        "contig": _contiguous(keys, values, lens, t, lay, padded=True),
+        "contig0": _contiguous(keys, values, lens, t, lay, padded=False),
+        "paged1": _paged(keys, values, lens, t, 1, lay),
+        "paged16": _paged(keys, values, lens, t, 16, lay),
+    }
+    for layout in data.layouts.values():
+        layout.check_values()
+    return data
+
+
+def meta_layouts(
+    b: int, hkv: int, t: int, d: int, dtype: torch.dtype = torch.float32
+) -> dict[str, KVLayout]:
+    """A contiguous and a paged layout whose every tensor is on ``meta`` (no value exists)."""
+    m = torch.device("meta")
+    i32 = torch.int32
+    return {
+        "contig": ContiguousKV(
+            torch.empty(b, hkv, t, d, dtype=dtype, device=m),
+            torch.empty(b, hkv, t, d, dtype=dtype, device=m),
+            torch.empty(b, dtype=i32, device=m),
+            torch.empty(b, dtype=i32, device=m),
+        ),
+        "contig0": ContiguousKV(
+            torch.empty(b, hkv, t, d, dtype=dtype, device=m),
+            torch.empty(b, hkv, t, d, dtype=dtype, device=m),
+            torch.empty(b, dtype=i32, device=m),
+        ),
+        "paged16": PagedKV(
+            torch.empty(b * t + 16, hkv, d, dtype=dtype, device=m),
+            torch.empty(b * t + 16, hkv, d, dtype=dtype, device=m),
+            torch.empty(b + 2, t + 16, dtype=i32, device=m),
+            torch.empty(b, dtype=i32, device=m),
+            torch.empty(b, dtype=i32, device=m),
+            16,
+            max_len_hint=t,
+        ),
+    }
+
+
+@pytest.fixture
+def make_kv():
+    """:func:`build_kv`: the same logical K/V in every layout of :data:`LAYOUTS`."""
+    return build_kv
+
+
+@pytest.fixture
+def make_meta_layouts():
+    """:func:`meta_layouts`: layouts on the ``meta`` device, for shape-only runs."""
+    return meta_layouts
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout_name(request) -> str:
+    """Parametrizes a test over the layout names of :data:`LAYOUTS`."""
+    return request.param
