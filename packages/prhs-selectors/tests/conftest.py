@@ -1,60 +1,108 @@
-"""Shared test helpers: a batch of sequences decoding, step by step, in either cache layout.
+"""Shared test helpers: a batch of sequences decoding, step by step, in any KV layout.
 
-:class:`DecodeSimulator` plays the host of ``docs/architecture.rst`` ("One decode step") for a
-toy model with no weights: it holds random logical keys, values and queries for every layer,
-builds each step's :class:`~prhs_core.protocols.DecodeStep` over a
-:class:`~prhs_core.cache.ContiguousKVCache` (left-padded, as transformers stores it) or a
-:class:`~prhs_core.cache.PagedKVCache` (a shuffled token pool, as SGLang stores it), and keeps
-the selectors' state pools in step (``create`` at the start, ``append`` after every step).
+:class:`DecodeSimulator` plays a host (transformers or SGLang) for a toy model with no weights.
+It holds random logical keys, values and queries for every layer and, on the decode contract
+of ``prhs_core.protocols``:
+
+- builds each layer's cache as a :class:`~prhs_core.layout.ContiguousKV` (left-padded, as
+  transformers stores it) or a :class:`~prhs_core.layout.PagedKV` (a shuffled token pool with
+  a request-to-token table, as SGLang stores it; ``"paged16"`` uses page-aligned pages of 16
+  slots, so that Quest, whose metadata is per page, runs on a paged layout);
+- :meth:`DecodeSimulator.attach` makes a selector's state, creates the batch's slots, writes the
+  prompt's K/V through ``selector.write_kv`` and makes a plan;
+- :meth:`DecodeSimulator.select` runs ``plan.update`` (once per step) and ``selector.select``;
+- :meth:`DecodeSimulator.advance` moves to the next token and writes its K/V through
+  ``write_kv`` (the host writes K/V before the step that reads them).
+
+Storage no sequence uses is NaN, so a read of padding shows up as NaN. Each batch row draws its
+data from its own generator (seeded by ``seed`` and its ``row_ids`` entry), so two simulators
+that share rows hold the same data in them, whatever the other rows and the layout. Every
+layout has the same static length ``T_cap``: selections are comparable entry by entry.
+
+Tests may edit ``sim.queries[layer]`` before a select, and ``sim.keys[layer]`` /
+``sim.values[layer]`` (logical positions ``[B, Hkv, T_cap, D]``) before :meth:`attach` or at
+positions not written yet: the caches are rebuilt from them at every call, but side caches only
+see what was written through ``write_kv``.
 
 Tests run with ``--import-mode=importlib``, so this module cannot be imported by name; tests
-get the helpers through fixtures:
-
-- ``make_sim``: the :class:`DecodeSimulator` class (call it to build one);
-- ``layout``: parametrizes a test over ``"contiguous"`` and ``"paged"``.
-
-Typical use::
-
-    def test_something(make_sim, layout):
-        sim = make_sim([40, 23], num_q_heads=4, num_kv_heads=2, head_dim=16, layout=layout)
-        sel = selectors.create("h2o", budget=8)
-        pool = sim.attach(sel)                    # init_state + pool.create(slots, prompt lens)
-        for _ in range(5):
-            selection = sel.select(sim.step(layer=0), pool)
-            out, lse = sim.attend(0, selection)   # prhs_kernels.sparse_decode_attention
-            ref = sim.reference_output(0, selection.to_mask(sim.lengths, sim.max_len, 2))
-            sim.advance()                         # pool.append, then the next token's K/V, q
-
-Two simulators built with the same arguments except ``layout`` hold identical logical data, so
-a selector must return identical selections on both. Storage that no sequence uses is NaN, so a
-read of padding shows up as NaN. Tests may edit ``sim.keys[layer]``, ``sim.values[layer]`` and
-``sim.queries[layer]`` in place (logical positions) before calling :meth:`DecodeSimulator.step`:
-the cache views are rebuilt from them at every call.
+get the helpers through fixtures: ``make_sim`` (the class), ``layout`` (each layout),
+``tools`` (brute-force helpers, :class:`Tools`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from prhs_core.cache import ContiguousKVCache, KVCacheView, PagedKVCache
+import prhs_selectors  # noqa: F401  (registers every selector)
 from prhs_core.config import AttentionSpec, LayerType
-from prhs_core.protocols import DecodeSelector, DecodeStep
+from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_core.plan import DecodePlan
+from prhs_core.registry import selectors
 from prhs_core.selection import Selection
-from prhs_core.state import SequenceStatePool
-from prhs_kernels import sparse_decode_attention
+from prhs_core.state import SelectorState
+from prhs_kernels import sparse_decode_attention, token_locations
 
-LAYOUTS = ("contiguous", "paged")
+LAYOUTS = ("contiguous", "paged", "paged16")
+
+# One small configuration per registered selector (and per mode): what the tests that run every
+# selector use. ``(registered name, config fields)``.
+SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "dense": ("dense", {}),
+    "oracle": ("oracle", {"budget": 6, "n_sink": 2, "n_local": 4}),
+    "oracle-s4": ("oracle", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 4}),
+    "streaming": ("streaming", {"budget": 6, "n_sink": 2, "n_local": 4}),
+    "cis": ("cis", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0}),
+    "cis-certified": (
+        "cis",
+        {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "delta_max": 0.5, "k_max": 16},
+    ),
+    "prhs": ("prhs", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 1, "tau": 0.0}),
+    "psaw": ("psaw", {}),
+    "etf": ("etf", {}),
+    "h2o": ("h2o", {"budget": 6, "n_sink": 2, "n_local": 4}),
+    "quest": ("quest", {"budget": 8, "page_size": 4, "dense_layers": 1, "n_sink": 2, "n_local": 4}),
+}
+
+
+def make_selector(case: str) -> Any:
+    """A fresh selector of :data:`SELECTOR_CASES` ``case``."""
+    name, fields = SELECTOR_CASES[case]
+    return selectors.create(name, **fields)
+
+
+def supports(case: str, layout: str) -> bool:
+    """Whether ``case`` runs on ``layout`` (Quest's pages need a paged pool of whole pages)."""
+    name, fields = SELECTOR_CASES[case]
+    return not (name == "quest" and layout == "paged" and fields.get("page_size", 16) > 1)
+
+
+KV_PAGE_SIZE = {"contiguous": 1, "paged": 1, "paged16": 16}
+JUNK = -12345  # request-to-token entries past a sequence's end: must never be read
+SLACK = 2  # contiguous left padding: each row gets 0..SLACK extra columns
 
 
 def softmax64(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim in float64, 0 for a row of ``-inf`` (written out: torch's own
-    float64 CPU softmax is ~1000x slower than float32's on small rows)."""
+    float64 CPU softmax is much slower than float32's on small rows)."""
     x = logits.double()
     p = torch.exp(x - x.amax(-1, keepdim=True)).nan_to_num(0.0)
     return (p / p.sum(-1, keepdim=True)).nan_to_num(0.0)
+
+
+@dataclass
+class Attachment:
+    """One selector running on a simulator: its state and plan."""
+
+    selector: Any
+    state: SelectorState
+    plan: DecodePlan
+    updated_at: int = -1  # the step whose plan.update ran
 
 
 class DecodeSimulator:
@@ -63,43 +111,35 @@ class DecodeSimulator:
     Parameters
     ----------
     lengths:
-        Cached positions of each sequence at the first decode step, the current token included
-        (so its prompt is ``lengths[b] - 1`` tokens).
+        Cached positions of each row at the first decode step, the current token included.
     num_q_heads, num_kv_heads, head_dim:
         ``Hq``, ``Hkv`` and ``D`` of every layer.
     num_layers:
-        Layers of the model (``AttentionSpec.num_layers``).
+        Layers of the model.
     layout:
-        ``"contiguous"`` (left-padded ``[B, Hkv, T, D]``) or ``"paged"`` (token pool).
+        ``"contiguous"``, ``"paged"`` (page size 1) or ``"paged16"`` (page size 16).
     max_new_tokens:
         How many times :meth:`advance` may be called.
     dtype:
-        Of keys, values and queries.
+        Of keys, values and queries (the cache dtype).
     seed:
-        Seeds the logical data (identical across layouts); the layout's own randomness (left
-        padding, pool slots) comes from a second generator.
+        Seeds the logical data; the layout's own randomness (left padding, pool slots) comes
+        from a second generator.
     slots:
-        State-pool slot of each sequence (default ``0 .. B-1``).
+        State slot of each row (default ``0 .. B-1``); ``-1`` marks a padded row (it has data
+        and a cache, but no sequence in the state).
     capacity:
-        Slots of the pools :meth:`attach` makes (default ``max(slots) + 1``).
+        Slots of the states :meth:`attach` makes (default ``max(slots) + 1``).
     layer_types:
         ``AttentionSpec.layer_types``.
     value_dim:
         ``Dv`` (default ``D``).
-
-    Attributes
-    ----------
-    spec:
-        The model's :class:`~prhs_core.config.AttentionSpec`.
-    lengths:
-        ``[B]`` int64 cached positions at the current step (the current token included).
-    keys, values:
-        Per layer, ``[B, Hkv, M, D]`` logical keys/values (``M = max(lengths) +
-        max_new_tokens``); entries ``>= lengths[b]`` are not yet written.
-    queries:
-        Per layer, ``[B, Hq, D]`` the current step's queries.
-    scaling:
-        ``1 / sqrt(D)``.
+    row_ids:
+        Seed of each row's data (default ``0 .. B-1``): rows with equal ids and lengths hold
+        equal data across simulators.
+    kv_offset:
+        Paged layouts: the first pool slot this simulator uses (a multiple of 16), so that
+        simulators sharing one state use disjoint KV locations.
     """
 
     def __init__(
@@ -118,6 +158,8 @@ class DecodeSimulator:
         capacity: int | None = None,
         layer_types: tuple[LayerType, ...] | None = None,
         value_dim: int | None = None,
+        row_ids: Sequence[int] | None = None,
+        kv_offset: int = 0,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -128,110 +170,227 @@ class DecodeSimulator:
         b = self.batch_size = int(self.lengths.shape[0])
         self.max_new_tokens = max_new_tokens
         self.steps_taken = 0
-        self.capacity_len = int(self.lengths.max()) + max_new_tokens
+        self.t_cap = int(self.lengths.max()) + SLACK + max_new_tokens
         self.slots = torch.arange(b) if slots is None else torch.tensor(list(slots))
-        self.pool_capacity = capacity or int(self.slots.max()) + 1
+        live = [s for s in self.slots.tolist() if s >= 0]
+        self.live_slots = live
+        self.pool_capacity = capacity or (max(live) + 1 if live else 1)
         self.scaling = head_dim**-0.5
+        self.kv_page_size = KV_PAGE_SIZE[layout]
         dv = value_dim or head_dim
-        self._gen = torch.Generator().manual_seed(seed)
-        m = self.capacity_len
-        self.keys = [self._randn(b, num_kv_heads, m, head_dim) for _ in range(num_layers)]
-        self.values = [self._randn(b, num_kv_heads, m, dv) for _ in range(num_layers)]
-        self.queries = [self._randn(b, num_q_heads, head_dim) for _ in range(num_layers)]
-        self.pools: list[SequenceStatePool] = []
-        # Layout: a storage slot (contiguous) or pool slot (paged) per logical position.
+        ids = list(range(b)) if row_ids is None else list(row_ids)
+        self._gens = [torch.Generator().manual_seed(seed * 100_003 + 7 * i + 1) for i in ids]
+        m = self.t_cap
+        self.keys = [self._rows(num_kv_heads, m, head_dim) for _ in range(num_layers)]
+        self.values = [self._rows(num_kv_heads, m, dv) for _ in range(num_layers)]
+        self.queries = [self._rows(num_q_heads, head_dim) for _ in range(num_layers)]
+        self.attachments: list[Attachment] = []
+
         lay = torch.Generator().manual_seed(seed + 7919)
         if layout == "contiguous":
-            # transformers left-pads so every row ends at the same column; add some slack.
-            extra = torch.randint(0, 3, (b,), generator=lay)
+            # Left padding: every row ends at the same column, plus 0..SLACK columns.
+            extra = torch.randint(0, SLACK + 1, (b,), generator=lay)
             self.start = int(self.lengths.max()) - self.lengths + extra
-            self._storage_len = int((self.start + self.lengths).max()) + max_new_tokens
+            self.num_kv_locations: int | None = None
+            return
+        if kv_offset % 16:
+            raise ValueError("kv_offset must be a multiple of 16")
+        # Request-to-token table: one row per state slot, plus one per padded row.
+        padded = [i for i, s in enumerate(self.slots.tolist()) if s < 0]
+        self.req = self.slots.clone()
+        for k, i in enumerate(padded):
+            self.req[i] = self.pool_capacity + k
+        r = self.pool_capacity + len(padded)
+        if layout == "paged":
+            n = b * m + 5
+            phys = kv_offset + torch.randperm(n, generator=lay)[: b * m].view(b, m)
+            self.num_kv_locations = kv_offset + n
         else:
-            n_slots = b * m + 7
-            self._n_slots = n_slots
-            self._table = torch.randperm(n_slots, generator=lay)[: b * m].view(b, m)
+            p = 16
+            ppr = -(-m // p)
+            n_pages = b * ppr + 2
+            pages = kv_offset // p + torch.randperm(n_pages, generator=lay)[: b * ppr]
+            pages = pages.view(b, ppr).repeat_interleave(p, 1)[:, :m]
+            phys = pages * p + torch.arange(m) % p
+            self.num_kv_locations = kv_offset + n_pages * p
+        self.table = torch.full((r, m), JUNK, dtype=torch.int32)
+        self.table[self.req] = phys.to(torch.int32)
+
+    # -- data ----------------------------------------------------------------------------------
+    def _rows(self, *shape: int) -> torch.Tensor:
+        rows = [torch.randn(*shape, generator=g) for g in self._gens]
+        return torch.stack(rows).to(self.dtype)
 
     @property
     def max_len(self) -> int:
-        """``T = max(lengths)``, the padded length of this step's cache views."""
+        """``T = max(lengths)``: the width of the brute-force references."""
         return int(self.lengths.max())
 
-    def _randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self._gen).to(self.dtype)
+    def seq_lens(self) -> torch.Tensor:
+        """``[B]`` int32 cached positions (the current token included)."""
+        return self.lengths.to(torch.int32)
 
-    # -- state pools -------------------------------------------------------------------------
-    def attach(
-        self, selector: DecodeSelector, pool: SequenceStatePool | None = None
-    ) -> SequenceStatePool:
-        """Start this batch's sequences in ``pool`` (a new pool of ``selector`` by default).
+    def slots_tensor(self) -> torch.Tensor:
+        return self.slots.clone()
 
-        Calls ``pool.create(slots, lengths - 1)`` (the prompts); :meth:`advance` then appends.
-        """
-        if pool is None:
-            pool = selector.init_state(self.spec, self.pool_capacity, self.capacity_len)
-        pool.create(self.slots, self.lengths - 1)
-        self.pools.append(pool)
-        return pool
+    def valid(self) -> torch.Tensor:
+        """``[B, T]`` bool: positions that exist."""
+        return torch.arange(self.max_len).view(1, -1) < self.lengths.view(-1, 1)
 
-    def release(self) -> None:
-        """End this batch's sequences in every attached pool (the slots become free)."""
-        for pool in self.pools:
-            pool.release(self.slots)
-        self.pools = []
-
-    # -- one step ----------------------------------------------------------------------------
-    def cache(self, layer: int) -> KVCacheView:
-        """The layer's cache view at the current step, in this simulator's layout."""
+    # -- caches --------------------------------------------------------------------------------
+    def kv(self, layer: int, seq_lens: torch.Tensor | None = None) -> KVLayout:
+        """The layer's cache at the current step (rebuilt from the logical data)."""
         k, v = self.keys[layer], self.values[layer]
         b, hkv, m, d = k.shape
-        t = torch.arange(m)
-        used = t.view(1, -1) < self.lengths.view(-1, 1)  # [B, M]
+        lens = self.seq_lens() if seq_lens is None else seq_lens
+        used = torch.arange(m).view(1, -1) < self.lengths.view(-1, 1)  # [B, M]
+        rows, cols = torch.nonzero(used, as_tuple=True)
+        nan = float("nan")
         if self.layout == "contiguous":
-            shape = (b, hkv, self._storage_len)
-            key = torch.full((*shape, d), float("nan"), dtype=self.dtype)
-            value = torch.full((*shape, v.shape[-1]), float("nan"), dtype=self.dtype)
-            rows, cols = torch.nonzero(used, as_tuple=True)
+            key = torch.full((b, hkv, m, d), nan, dtype=self.dtype)
+            value = torch.full((b, hkv, m, v.shape[-1]), nan, dtype=self.dtype)
             dst = self.start[rows] + cols
             key[rows, :, dst] = k[rows, :, cols]
             value[rows, :, dst] = v[rows, :, cols]
-            return ContiguousKVCache(key, value, self.lengths.clone(), self.start.clone())
-        key = torch.full((self._n_slots, hkv, d), float("nan"), dtype=self.dtype)
-        value = torch.full((self._n_slots, hkv, v.shape[-1]), float("nan"), dtype=self.dtype)
-        rows, cols = torch.nonzero(used, as_tuple=True)
-        key[self._table[rows, cols]] = k[rows, :, cols]
-        value[self._table[rows, cols]] = v[rows, :, cols]
+            return ContiguousKV(key, value, lens, self.start.to(torch.int32))
+        assert self.num_kv_locations is not None
+        n = self.num_kv_locations
+        key = torch.full((n, hkv, d), nan, dtype=self.dtype)
+        value = torch.full((n, hkv, v.shape[-1]), nan, dtype=self.dtype)
+        at = self.table[self.req[rows], cols].long()
+        key[at] = k[rows, :, cols]
+        value[at] = v[rows, :, cols]
+        table = self.table.clone()
         # Entries past each length are junk that must never be read.
-        table = torch.where(used, self._table, -12345)
-        return PagedKVCache(key, value, table, self.lengths.clone())
-
-    def step(self, layer: int) -> DecodeStep:
-        """The layer's :class:`DecodeStep` at the current step."""
-        return DecodeStep(layer, self.queries[layer], self.cache(layer), self.slots, self.scaling)
-
-    def attend(self, layer: int, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B, Hq, Dv], lse [B, Hq])`` of attention over ``selection``."""
-        return sparse_decode_attention(
-            self.queries[layer], self.cache(layer), selection, self.scaling
+        table[self.req] = torch.where(used, table[self.req], JUNK)
+        return PagedKV(
+            key,
+            value,
+            table,
+            self.req.to(torch.int32),
+            lens,
+            page_size=self.kv_page_size,
         )
 
+    def locations(self, row_stride: int) -> torch.Tensor:
+        """``[B, T_cap]`` int64 KV location of every position (``-1`` past each length)."""
+        b, m = self.batch_size, self.t_cap
+        hkv, d = self.spec.num_kv_heads, self.spec.head_dim
+        lens = self.seq_lens()
+        kv: KVLayout
+        if self.layout == "contiguous":
+            k = torch.zeros((), dtype=self.dtype).expand(b, hkv, m, d)  # storage is not read
+            kv = ContiguousKV(k, k, lens, self.start.to(torch.int32))
+        else:
+            assert self.num_kv_locations is not None
+            k = torch.zeros((), dtype=self.dtype).expand(self.num_kv_locations, hkv, d)
+            kv = PagedKV(k, k, self.table, self.req.to(torch.int32), lens, self.kv_page_size)
+        pos = torch.arange(m).view(1, -1).expand(b, -1)
+        return token_locations(kv, pos, row_stride)
+
+    # -- selectors ------------------------------------------------------------------------------
+    def attach(
+        self,
+        selector: Any,
+        state: SelectorState | None = None,
+        *,
+        stats: bool = True,
+        checked: bool = True,
+    ) -> SelectorState:
+        """Start this batch's sequences on ``selector``: a state (new unless given), the slots
+        created, the cached K/V written through ``write_kv``, and a plan (``checked``: its
+        value checks, and ``write_kv``'s)."""
+        if state is None:
+            state = selector.init_state(
+                self.spec,
+                capacity=self.pool_capacity,
+                max_seq_len=self.t_cap,
+                num_kv_locations=self.num_kv_locations,
+                kv_page_size=self.kv_page_size,
+                kv_dtype=self.dtype,
+            )
+        state.pool.create(self.live_slots)
+        self.write_kv(selector, state, torch.zeros_like(self.lengths), self.lengths, checked)
+        plan = selector.make_plan(
+            state, batch_size=self.batch_size, scaling=self.scaling, stats=stats, checked=checked
+        )
+        self.attachments.append(Attachment(selector, state, plan))
+        return state
+
+    def write_kv(
+        self,
+        selector: Any,
+        state: SelectorState,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        checked: bool = False,
+    ) -> None:
+        """Write positions ``[lo[b], hi[b])`` of every row and layer through ``write_kv``
+        (``checked``: as a checked host does, raising on non-finite keys and bad locations)."""
+        pos = torch.arange(self.t_cap).view(1, -1)
+        want = (pos >= lo.view(-1, 1)) & (pos < hi.view(-1, 1))  # [B, T_cap]
+        loc = self.locations(state.row_stride)
+        rows, cols = torch.nonzero(want, as_tuple=True)
+        for layer in range(self.spec.num_layers):
+            key = self.keys[layer][rows, :, cols]
+            value = self.values[layer][rows, :, cols]
+            selector.write_kv(state, layer, loc[rows, cols], key, value, checked=checked)
+
+    def _attachment(self, selector: Any | None) -> Attachment:
+        if not self.attachments:
+            raise RuntimeError("attach(selector) first")
+        if selector is None:
+            return self.attachments[-1]
+        for a in self.attachments:
+            if a.selector is selector:
+                return a
+        raise RuntimeError(f"{selector!r} is not attached")
+
+    def plan(self, selector: Any | None = None) -> DecodePlan:
+        return self._attachment(selector).plan
+
+    def state(self, selector: Any | None = None) -> SelectorState:
+        return self._attachment(selector).state
+
+    def update(self, selector: Any | None = None) -> DecodePlan:
+        """``plan.update(seq_lens, slots)`` once per step."""
+        a = self._attachment(selector)
+        if a.updated_at != self.steps_taken:
+            a.plan.update(self.seq_lens(), self.slots_tensor())
+            a.updated_at = self.steps_taken
+        return a.plan
+
+    def select(self, layer: int, selector: Any | None = None) -> Selection | None:
+        """The selector's selection of ``layer`` at the current step (its plan's buffers)."""
+        a = self._attachment(selector)
+        plan = self.update(a.selector)
+        return a.selector.select(plan, layer, self.queries[layer], self.kv(layer), a.state)
+
+    def attend(self, layer: int, selection: Selection | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, Hq, Dv], lse [B, Hq])`` of attention over ``selection``."""
+        return sparse_decode_attention(self.queries[layer], self.kv(layer), selection, self.scaling)
+
+    def release(self, selector: Any | None = None) -> None:
+        """End this batch's sequences on ``selector`` (its slots become free)."""
+        a = self._attachment(selector)
+        a.state.pool.release(self.live_slots)
+        self.attachments.remove(a)
+
     def advance(self, steps: int = 1) -> None:
-        """End the step (``pool.append(slots, 1)``), then write each sequence's next token:
-        fresh random keys/values at position ``lengths[b]`` of every layer and fresh queries."""
+        """Move every row to its next token: fresh queries, and the new position's K/V (already
+        in the logical data) written through every attached selector's ``write_kv``."""
         for _ in range(steps):
             if self.steps_taken >= self.max_new_tokens:
                 raise RuntimeError("advance() called more than max_new_tokens times")
-            for pool in self.pools:
-                pool.append(self.slots, 1)
-            rows = torch.arange(self.batch_size)
-            for layer in range(self.spec.num_layers):
-                k, v = self.keys[layer], self.values[layer]
-                k[rows, :, self.lengths] = self._randn(*k[rows, :, 0].shape)
-                v[rows, :, self.lengths] = self._randn(*v[rows, :, 0].shape)
-                self.queries[layer] = self._randn(*self.queries[layer].shape)
+            old = self.lengths
             self.lengths = self.lengths + 1
+            for layer in range(self.spec.num_layers):
+                self.queries[layer] = self._rows(*self.queries[layer].shape[1:])
+            for a in self.attachments:
+                self.write_kv(a.selector, a.state, old, self.lengths, a.plan.checked)
             self.steps_taken += 1
 
-    # -- brute-force references --------------------------------------------------------------
+    # -- brute-force references ----------------------------------------------------------------
     def logits(self, layer: int) -> torch.Tensor:
         """``[B, Hq, T]`` float64 logits of the current queries, ``-inf`` past each end."""
         return brute_logits(self.queries[layer], self.keys[layer], self.lengths, self.scaling)
@@ -239,8 +398,14 @@ class DecodeSimulator:
     softmax64 = staticmethod(softmax64)
 
     def group_probs(self, layer: int) -> torch.Tensor:
-        """``[B, Hkv, T]`` float64 group-mean attention probabilities (SPEC.md §1, GQA)."""
+        """``[B, Hkv, T]`` float64 group-mean attention probabilities."""
         return brute_group_probs(self.logits(layer), self.spec.num_kv_heads)
+
+    def mask(self, selection: Selection | None) -> torch.Tensor:
+        """``[B, Hkv, T]`` bool positions read (``None``: every cached position)."""
+        if selection is None:
+            return self.valid().unsqueeze(1).expand(-1, self.spec.num_kv_heads, -1)
+        return selection.to_mask(self.seq_lens(), self.max_len)
 
     def reference_output(self, layer: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, Hq, Dv]`` float64 attention of the current queries over the positions of
@@ -275,13 +440,113 @@ def brute_group_probs(logits: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return p.view(b, num_kv_heads, hq // num_kv_heads, t).mean(2)
 
 
+class Tools:
+    """Brute-force helpers shared by the tests (the ``tools`` fixture)."""
+
+    softmax64 = staticmethod(softmax64)
+    make_selector = staticmethod(make_selector)
+    supports = staticmethod(supports)
+    cases = SELECTOR_CASES
+    brute_logits = staticmethod(brute_logits)
+    brute_group_probs = staticmethod(brute_group_probs)
+
+    @staticmethod
+    def chosen(selection: Selection, b: int, h: int) -> set[int]:
+        """The entries row ``(b, h)`` uses, checked distinct and in range."""
+        n = int(selection.counts[b, h])
+        ids = [int(i) for i in selection.indices[b, h, :n]]
+        assert len(ids) == len(set(ids)), f"an entry is listed twice: {ids}"
+        assert all(i >= 0 for i in ids), f"a used entry is negative: {ids}"
+        return set(ids)
+
+    @staticmethod
+    def window(n: int, n_sink: int, n_local: int) -> set[int]:
+        """Sink and local positions of a sequence of ``n``."""
+        return {i for i in range(n) if i < n_sink or i >= n - n_local}
+
+    @staticmethod
+    def blocks_of(positions: set[int], s: int) -> set[int]:
+        return {p // s for p in positions}
+
+    @staticmethod
+    def block_max(values: Sequence[float], s: int) -> list[float]:
+        return [max(values[j : j + s]) for j in range(0, len(values), s)]
+
+    @staticmethod
+    def assert_same_topk(
+        got: set[int], want: set[int], scores: Sequence[float], atol: float = 1e-6
+    ) -> None:
+        """``got`` and ``want`` are both a top set by ``scores[i]``: equal, or differing only
+        by tied entries (their sorted scores agree within ``atol``)."""
+        assert len(got) == len(want), (sorted(got), sorted(want))
+        if got == want:
+            return
+        a = sorted(scores[i] for i in got)
+        b = sorted(scores[i] for i in want)
+        diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
+        assert diff <= atol, (
+            f"top sets differ beyond ties: got-only {sorted(got - want)}, "
+            f"want-only {sorted(want - got)} (max score gap {diff})"
+        )
+
+    @staticmethod
+    def brute_topk(candidates: Sequence[int], k: int, scores: Sequence[float]) -> set[int]:
+        """The ``k`` candidates of largest ``scores[i]`` (ties to the lower index)."""
+        return set(sorted(candidates, key=lambda i: (-scores[i], i))[:k])
+
+    @staticmethod
+    def snapshot(state: SelectorState) -> dict[str, torch.Tensor]:
+        """Clones of every tensor of ``state`` (pool fields, side fields, the counter)."""
+        out = {f"pool.{n}": state.pool[n].clone() for n in state.pool.field_names}
+        if state.side is not None:
+            out |= {f"side.{n}": state.side[n].clone() for n in state.side.field_names}
+        out["nonfinite"] = state.nonfinite.clone()
+        return out
+
+    @staticmethod
+    def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]) or (
+                a[name].is_floating_point()
+                and torch.equal(a[name].isnan(), b[name].isnan())
+                and torch.equal(a[name].nan_to_num(), b[name].nan_to_num())
+            ), f"{name} changed"
+
+    @staticmethod
+    def dropped_mass(probs: Sequence[float], keep: set[int]) -> float:
+        return math.fsum(p for i, p in enumerate(probs) if i not in keep)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Run each test on one intra-op thread: these tensors are tiny, and handing them to a
+    thread pool costs far more than the work (100x on a 2-core runner)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def make_sim() -> type[DecodeSimulator]:
     """The :class:`DecodeSimulator` class: ``make_sim(lengths, num_q_heads=..., ...)``."""
     return DecodeSimulator
 
 
+@pytest.fixture
+def tools() -> type[Tools]:
+    """Brute-force helpers (:class:`Tools`)."""
+    return Tools
+
+
+@pytest.fixture(params=sorted(SELECTOR_CASES))
+def case(request: pytest.FixtureRequest) -> str:
+    """Each entry of :data:`SELECTOR_CASES` in turn (build it with ``tools.make_selector``)."""
+    return request.param
+
+
 @pytest.fixture(params=LAYOUTS)
 def layout(request: pytest.FixtureRequest) -> str:
-    """Each cache layout in turn: ``"contiguous"`` and ``"paged"``."""
+    """Each KV layout in turn: ``"contiguous"``, ``"paged"`` and ``"paged16"``."""
     return request.param

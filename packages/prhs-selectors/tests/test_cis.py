@@ -1,21 +1,17 @@
-"""CIS (paper and certified modes), PSAW, ETF and CPE against brute-force Python references."""
+"""CIS (paper and certified modes) against brute-force Python references: dilation, the reuse
+rule, what a reuse reads, the certificate, the certified retrieval and the slot lifecycle."""
 
 from __future__ import annotations
 
-import math
+import itertools
 
 import pytest
 import torch
 
 from prhs_core import theory
 from prhs_core.registry import selectors
-from prhs_selectors.cis import CIS, CISConfig, dilate_blocks
-from prhs_selectors.cpe import CPE, CPEConfig
-from prhs_selectors.prefill import ETF, PSAW, ETFConfig, PSAWConfig
-
-
-def _blocks_of(sel, b: int, h: int) -> set[int]:
-    return {int(x) for x in sel.indices[b, h].tolist() if x >= 0}
+from prhs_kernels.compose import dilate_indices
+from prhs_selectors.cis import CIS, CISConfig
 
 
 def _window_blocks(t: int, s: int, n_sink: int, n_local: int) -> set[int]:
@@ -23,52 +19,45 @@ def _window_blocks(t: int, s: int, n_sink: int, n_local: int) -> set[int]:
     return {p // s for p in pos}
 
 
-def _anchor_blocks(probs: list[float], t: int, cfg: CISConfig) -> tuple[set[int], list[float]]:
-    """Brute force S_a: the top k/s non-window blocks by their max group probability."""
-    s = cfg.block_size
-    nb = -(-t // s)
-    bmax = [max(probs[j * s : min(t, (j + 1) * s)]) for j in range(nb)]
-    win = _window_blocks(t, s, cfg.n_sink, cfg.n_local)
-    cand = sorted((j for j in range(nb) if j not in win), key=lambda j: (-bmax[j], j))
-    return set(cand[: max(1, cfg.budget // s)]), bmax
-
-
-def _dilate(anchor: set[int], bmax: list[float], cfg: CISConfig, nb: int) -> set[int]:
-    m = max(1, cfg.budget // cfg.block_size) // cfg.n_den
-    top = sorted(anchor, key=lambda j: (-bmax[j], j))[:m]
-    out = set(anchor)
+def _dilate(top: list[int], r: int, nb: int) -> set[int]:
+    out: set[int] = set()
     for p in top:
-        for j in range(1, cfg.r + 1):
+        for j in range(1, r + 1):
             out |= {x for x in (p - j, p + j) if 0 <= x < nb}
     return out
+
+
+def _anchor(state, slot: int, layer: int, h: int) -> list[int]:
+    """The anchor's list, in its stored order (by anchor score, largest first)."""
+    n = int(state.pool["anchor_cnt"][slot, layer, h])
+    return [int(x) for x in state.pool["anchor_idx"][slot, layer, h, :n]]
 
 
 # ---------------------------------------------------------------------------------------------
 # dilation
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize(("m", "r"), [(0, 1), (1, 1), (2, 2), (5, 3), (3, 0)])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("m", "r"), [(0, 1), (1, 1), (2, 2), (5, 3), (3, 0), (9, 1)])
 def test_dilation_adds_exactly_p_plus_minus_j(seed, m, r):
     g = torch.Generator().manual_seed(seed)
-    n = 23
-    anchor = torch.rand(3, n, generator=g) < 0.3
-    score = torch.rand(3, n, generator=g)
-    out = dilate_blocks(anchor, score, m, r)
-    for row in range(3):
-        members = [j for j in range(n) if anchor[row, j]]
-        top = sorted(members, key=lambda j: (-float(score[row, j]), j))[:m]
-        expected = set(members)
-        for p in top:
-            for j in range(1, r + 1):
-                expected |= {x for x in (p - j, p + j) if 0 <= x < n}
-        assert set(out[row].nonzero().flatten().tolist()) == expected
+    n, width = 23, 6
+    idx = torch.stack([torch.randperm(n, generator=g)[:width] for _ in range(4)]).int()
+    counts = torch.randint(0, width + 1, (4,), generator=g).int()
+    idx = torch.where(torch.arange(width) < counts.view(-1, 1), idx, -1)
+    out = dilate_indices(idx, counts, m, r)
+    assert out.shape == (4, 2 * r * m) and out.dtype == torch.int32
+    for row in range(4):
+        top = [int(p) for p in idx[row, : min(m, int(counts[row]))]]
+        expected = {p + j for p in top for j in range(1, r + 1)}
+        expected |= {p - j for p in top for j in range(1, r + 1) if p - j >= 0}
+        assert {int(x) for x in out[row] if x >= 0} == expected
 
 
 # ---------------------------------------------------------------------------------------------
 # paper mode: the reuse rule and what a reuse reads
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, layout, block_size):
+def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, tools, layout, block_size):
     cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1)
     sel = CIS(cfg)
     steps = 14
@@ -81,11 +70,12 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, layout, block_si
         max_new_tokens=steps,
         seed=3,
     )
-    pool = sim.attach(sel)
-    b, h, g = 3, 2, 2
+    state = sim.attach(sel)
+    assert not sel.certifies and sim.plan().stats.delta_hat is None
+    b, h, g, s = 3, 2, 2, block_size
+    k_blocks, m = max(1, cfg.budget // s), max(1, cfg.budget // s) // cfg.n_den
     anchor_q = torch.zeros(b, h, g * 16)
     anchor_t = torch.zeros(b, h, dtype=torch.long)
-    anchor_blocks: dict[tuple[int, int], tuple[set[int], list[float]]] = {}
     gen = torch.Generator().manual_seed(11)
     seen = {"reuse": 0, "retrieve": 0, "stale": 0}
     for step in range(steps):
@@ -101,25 +91,32 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, layout, block_si
         has = anchor_t > 0
         fresh = (t - anchor_t) <= cfg.n_local
         expected_reuse = has & fresh & (cos >= cfg.tau)
-        out = sel.select(sim.step(0), pool)
+        out = sim.select(0)
         assert torch.equal(out.stats.retrieved, ~expected_reuse)
         probs = sim.group_probs(0)
         for i in range(b):
             tt = int(sim.lengths[i])
-            nb = -(-tt // cfg.block_size)
-            win = _window_blocks(tt, cfg.block_size, cfg.n_sink, cfg.n_local)
+            nb = -(-tt // s)
+            win = _window_blocks(tt, s, cfg.n_sink, cfg.n_local)
             for j in range(h):
-                got = _blocks_of(out, i, j)
+                got = tools.chosen(out, i, j)
                 assert win <= got, "sink and local are always selected"
+                anchor = _anchor(state, i, 0, j)
                 if expected_reuse[i, j]:
                     seen["reuse"] += 1
-                    a_set, a_max = anchor_blocks[(i, j)]
-                    assert got == (_dilate(a_set, a_max, cfg, nb) | win) & set(range(nb))
+                    want = (set(anchor) | _dilate(anchor[:m], cfg.r, nb) | win) & set(range(nb))
+                    assert got == want
                 else:
                     seen["stale" if has[i, j] and not fresh[i, j] else "retrieve"] += 1
-                    a_set, a_max = _anchor_blocks(probs[i, j, :tt].tolist(), tt, cfg)
-                    assert got == a_set | win
-                    anchor_blocks[(i, j)] = (a_set, a_max)
+                    bmax = tools.block_max(probs[i, j, :tt].tolist(), s)
+                    cand = [x for x in range(nb) if x not in win]
+                    top = tools.brute_topk(cand, k_blocks, bmax)
+                    tools.assert_same_topk(set(anchor), top, bmax, atol=1e-6)
+                    assert got == set(anchor) | win
+                    # Stored by anchor score, so that dilation takes the first m entries.
+                    scores = [bmax[x] for x in anchor]
+                    assert all(a >= c - 1e-6 for a, c in itertools.pairwise(scores))
+                    assert int(state.pool["anchor_len"][i, 0, j]) == tt
         anchor_q = torch.where(expected_reuse.unsqueeze(-1), anchor_q, q)
         anchor_t = torch.where(expected_reuse, anchor_t, t.expand(b, h))
         sim.advance()
@@ -131,51 +128,31 @@ def test_budget_covering_everything_gives_dense_output(make_sim, layout):
     sim = make_sim(
         [50, 31], num_q_heads=6, num_kv_heads=2, head_dim=8, layout=layout, max_new_tokens=4
     )
-    pool = sim.attach(sel)
+    sim.attach(sel)
     for _ in range(4):
-        out = sel.select(sim.step(0), pool)
+        out = sim.select(0)
         attn, _ = sim.attend(0, out)
         torch.testing.assert_close(attn.double(), sim.reference_output(0), rtol=1e-5, atol=1e-5)
         sim.advance()
 
 
-def test_selection_is_identical_on_both_layouts(make_sim):
-    picks = []
-    for lay in ("contiguous", "paged"):
-        sel = selectors.create("cis", budget=8, block_size=2, n_local=4, tau=0.5)
-        sim = make_sim(
-            [40, 29],
-            num_q_heads=3,
-            num_kv_heads=1,
-            head_dim=8,
-            layout=lay,
-            max_new_tokens=5,
-            seed=5,
-        )
-        pool = sim.attach(sel)
-        run = []
-        for _ in range(5):
-            out = sel.select(sim.step(0), pool)
-            run.append((out.indices.sort(-1).values, out.stats.retrieved))
-            sim.advance()
-        picks.append(run)
-    for (a, ra), (b, rb) in zip(*picks, strict=True):
-        assert torch.equal(a, b) and torch.equal(ra, rb)
-
-
 def test_released_slot_starts_without_anchor(make_sim):
     sel = selectors.create("cis", budget=8, block_size=1, n_local=8)
     sim = make_sim([30], num_q_heads=2, num_kv_heads=1, head_dim=8, max_new_tokens=3)
-    pool = sim.attach(sel)
-    sel.select(sim.step(0), pool)
+    state = sim.attach(sel)
+    sim.select(0)
     sim.advance()
     sim.queries[0] = sim.queries[0] * 0 + 1.0
-    sel.select(sim.step(0), pool)  # becomes the anchor
-    assert bool(pool["anchor_len"][0, 0].gt(0).all())
+    sim.select(0)  # becomes the anchor
+    assert bool(state.pool["anchor_len"][0, 0].gt(0).all())
     sim.release()
-    sim.attach(sel, pool)  # the same slot, a new sequence
-    assert bool(pool["anchor_len"][0, 0].eq(0).all())
-    assert bool(sel.select(sim.step(0), pool).stats.retrieved.all())
+    assert state.pool.num_active == 0
+    sim.attach(sel, state)  # the same slot, a new sequence
+    for name in state.pool.field_names:
+        fill = {"anchor_idx": -1}.get(name, 0)
+        assert bool((state.pool[name][0] == fill).all()), name
+    # The same (constant) query would reuse a stale anchor: a fresh slot must retrieve.
+    assert bool(sim.select(0).stats.retrieved.all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +174,7 @@ def test_certificate_bounds_the_true_dropped_mass_every_step(
         k_max=32,
     )
     sel = CIS(cfg)
-    steps = 12
+    steps = 10
     sim = make_sim(
         [48, 35],
         num_q_heads=hq,
@@ -211,40 +188,55 @@ def test_certificate_bounds_the_true_dropped_mass_every_step(
     gen = torch.Generator().manual_seed(2)
     direction = torch.randn(16, generator=gen)
     sim.keys[0][:, :, ::7] += 2.5 * direction
-    pool = sim.attach(sel)
+    sim.attach(sel)
+    assert sel.certifies
     reused = 0
+    g = hq // hkv
     for _ in range(steps):
         sim.queries[0] = direction + 0.01 * torch.randn(sim.queries[0].shape, generator=gen)
-        out = sel.select(sim.step(0), pool)
-        mask = out.to_mask(sim.lengths, sim.max_len, hkv)
+        out = sim.select(0)
+        mask = sim.mask(out)
         logits = sim.logits(0)
-        g = hq // hkv
         valid = torch.isfinite(logits)
         delta = theory.dropped_mass(
             logits.masked_fill(~valid, 0.0), mask.repeat_interleave(g, 1) & valid, valid
         )
         group_delta = delta.view(2, hkv, g).mean(-1)
-        assert out.stats.delta_hat is not None
-        assert bool((group_delta <= out.stats.delta_hat.double() * (1 + 1e-5) + 1e-7).all()), (
-            group_delta,
-            out.stats.delta_hat,
-        )
+        dhat = out.stats.delta_hat
+        assert dhat is not None
+        assert bool((group_delta <= dhat.double() * (1 + 1e-5) + 1e-7).all()), (group_delta, dhat)
         reuse = ~out.stats.retrieved
-        assert bool((out.stats.delta_hat[reuse] <= cfg.delta_max).all())
+        assert bool((dhat[reuse] <= cfg.delta_max).all())
         reused += int(reuse.sum())
         sim.advance()
     assert reused > 0  # the certificate did allow reuse
 
 
-def test_certified_retrieval_is_the_smallest_top_p_set(make_sim):
+def test_unchecked_certificate_matches_the_checked_one():
+    """The decode path's certificate (``check=False``: no host read) is the same formula, and a
+    skipped (non-finite) query's NaN shift certifies nothing instead of raising."""
+    inf = float("inf")
+    la = torch.tensor([0.0, -1e-9, -0.1, -2.0, -800.0, -inf], dtype=torch.float64)
+    eps = torch.tensor([0.0, 0.3, 5.0, 1e3, inf], dtype=torch.float64)
+    la, eps = torch.broadcast_tensors(la.view(-1, 1), eps.view(1, -1))
+    want = theory.log_reuse_certificate(la, eps)
+    got = theory.log_reuse_certificate(la, eps, check=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    nan = torch.full_like(la[:, :1], float("nan"))
+    assert bool(theory.log_reuse_certificate(la[:, :1], nan, check=False).isnan().any())
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        theory.log_reuse_certificate(la[:, :1], nan)
+
+
+def test_certified_retrieval_is_the_smallest_top_p_set(make_sim, tools):
     cfg = CISConfig(
         budget=4, n_sink=1, n_local=1, block_size=1, delta_max=0.2, delta_target=0.1, k_max=64
     )
     sel = CIS(cfg)
     sim = make_sim([60], num_q_heads=1, num_kv_heads=1, head_dim=8, max_new_tokens=1, seed=4)
     sim.keys[0] *= 3
-    pool = sim.attach(sel)
-    out = sel.select(sim.step(0), pool)
+    sim.attach(sel)
+    out = sim.select(0)
     probs = sim.group_probs(0)[0, 0, :60].tolist()
     # The certified set is sink ∪ S_a: the local window is read but not counted, because a
     # later reuse may no longer cover the anchor's local positions.
@@ -254,8 +246,11 @@ def test_certified_retrieval_is_the_smallest_top_p_set(make_sim):
     while 1 - kept > cfg.retrieval_target + 1e-12:
         kept += probs[rest[need]]
         need += 1
-    expected = {0, 59, *rest[:need]}
-    assert _blocks_of(out, 0, 0) == expected
+    assert need > 1
+    got = tools.chosen(out, 0, 0)
+    assert got == {0, 59, *rest[:need]}
+    assert tools.dropped_mass(probs, {0, *rest[:need]}) <= cfg.retrieval_target
+    assert tools.dropped_mass(probs, {0, *rest[: need - 1]}) > cfg.retrieval_target
 
 
 def test_cis_config_errors():
@@ -275,63 +270,3 @@ def test_cis_config_errors():
         CISConfig(delta_max=0.1, budget=64, k_max=32)
     with pytest.raises(ValueError, match="n_den"):
         CISConfig(n_den=0)
-
-
-# ---------------------------------------------------------------------------------------------
-# PSAW, ETF, CPE
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("n", "start", "phi", "alpha"), [(30, None, 0.5, 1.0), (8, 2, 0.3, 1.5)])
-def test_psaw_window_matches_the_formula(n, start, phi, alpha):
-    sel = PSAW(PSAWConfig(phi=phi, alpha=alpha, start_layer=start, n_sink=3))
-    ls = n // 2 if start is None else start
-    length = 50
-    for layer in range(n):
-        plan = sel.plan_prefill(layer, n, length)
-        if layer <= ls:
-            assert plan.is_dense
-            continue
-        frac = 1 - phi ** (alpha * (layer - ls) / (n - ls))
-        assert plan.window_start.tolist() == [math.floor(frac * t) for t in range(length)]
-        mask = plan.attention_mask()
-        for i in range(length):
-            allowed = {j for j in range(i + 1) if j < 3 or j >= math.floor(frac * i)}
-            assert set(mask[i].nonzero().flatten().tolist()) == allowed
-
-
-def test_etf_frozen_prefix_matches_the_formula():
-    sel = ETF(ETFConfig(psi=0.7, gamma=1.0))
-    n, length = 12, 101
-    prefixes = []
-    for layer in range(n):
-        plan = sel.plan_prefill(layer, n, length)
-        expected = 0 if layer < 6 else math.floor((1 - 0.7 ** ((layer - 6) / 6)) * length)
-        assert plan.frozen_prefix == expected
-        assert plan.window_start is None
-        prefixes.append(plan.frozen_prefix)
-    assert prefixes == sorted(prefixes) and prefixes[-1] < length
-
-
-def test_cpe_combines_cis_psaw_and_etf():
-    sel = CPE(CPEConfig(start_layer=2))
-    plan = sel.plan_prefill(5, 8, 40)
-    psaw = PSAW(PSAWConfig(start_layer=2)).plan_prefill(5, 8, 40)
-    etf = ETF(ETFConfig(start_layer=2)).plan_prefill(5, 8, 40)
-    assert torch.equal(plan.window_start, psaw.window_start)
-    assert plan.frozen_prefix == etf.frozen_prefix > 0
-    assert sel.plan_prefill(5, 8, 40).n_sink == 4
-    off = CPE(CPEConfig(start_layer=2, use_psaw=False, use_etf=False)).plan_prefill(5, 8, 40)
-    assert off.is_dense
-    assert isinstance(selectors.create("prhs"), CIS)
-
-
-def test_prefill_plan_errors():
-    with pytest.raises(ValueError, match="phi"):
-        PSAWConfig(phi=1.0)
-    with pytest.raises(ValueError, match="psi"):
-        ETFConfig(psi=0.0)
-    with pytest.raises(ValueError, match="gamma"):
-        ETFConfig(gamma=-1.0)
-    with pytest.raises(ValueError, match="start_layer"):
-        PSAW(PSAWConfig(start_layer=9)).plan_prefill(0, 8, 10)
-    with pytest.raises(ValueError, match="out of range"):
-        ETF().plan_prefill(8, 8, 10)

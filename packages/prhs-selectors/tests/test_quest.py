@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prhs_core.config import AttentionSpec
 from prhs_core.registry import selectors
-from prhs_core.selection import Selection
 from prhs_selectors import Quest, QuestConfig
 from prhs_selectors.quest import page_bounds
 
@@ -69,20 +69,40 @@ GEOMETRIES = [([37, 20, 1], 2, 2), ([45, 30], 6, 2), ([50, 9], 8, 2)]
 GEOMETRY_IDS = [f"T{'-'.join(map(str, ls))}-Hq{hq}-Hkv{hkv}" for ls, hq, hkv in GEOMETRIES]
 
 
+@pytest.fixture(params=["contiguous", "paged16"])
+def quest_layout(request: pytest.FixtureRequest) -> str:
+    """Layouts Quest pages of 4 run on (a paged pool needs a page size multiple of 4)."""
+    return request.param
+
+
+def _state_pages(state, sim, layer_row: int, b: int, n: int, p: int):
+    """``[Hkv, ceil(n/p), D]`` float32 page min and max of row ``b``, read from the side cache
+    through the KV location of each page's first position."""
+    loc = sim.locations(state.row_stride)[b, :n:p]
+    pages = state.side.pages_of(loc)
+    kmin = state.side["quest_kmin"][pages, layer_row].transpose(0, 1).float()
+    kmax = state.side["quest_kmax"][pages, layer_row].transpose(0, 1).float()
+    return kmin, kmax
+
+
 @pytest.mark.parametrize(("lengths", "hq", "hkv"), GEOMETRIES, ids=GEOMETRY_IDS)
-def test_state_bounds_hold_for_every_page_and_head(make_sim, layout, lengths, hq, hkv) -> None:
+def test_state_bounds_hold_for_every_page_and_head(make_sim, quest_layout, lengths, hq, hkv):
     sim = make_sim(
-        lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=8, layout=layout, max_new_tokens=3
+        lengths,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=8,
+        layout=quest_layout,
+        max_new_tokens=3,
     )
     sim.keys[0][:, :, 5::7] *= 3e3  # some huge keys
     quest = Quest(QuestConfig(budget=8, page_size=4, dense_layers=0, n_sink=1, n_local=2))
-    pool = sim.attach(quest)
+    state = sim.attach(quest)
     g = hq // hkv
     for _ in range(3):
-        quest.select(sim.step(0), pool)
+        sim.select(0)
         for b, n in enumerate(sim.lengths.tolist()):
-            np_ = -(-n // 4)
-            kmin, kmax = pool["quest_kmin"][b, 0, :, :np_], pool["quest_kmax"][b, 0, :, :np_]
+            kmin, kmax = _state_pages(state, sim, 0, b, n, 4)
             q = sim.queries[0][b].view(hkv, g, -1).float()
             bound = page_bounds(q[None], kmin[None], kmax[None], sim.scaling)[0]
             true_max = _page_max_logits(q, sim.keys[0][b], n, 4, sim.scaling)
@@ -91,79 +111,94 @@ def test_state_bounds_hold_for_every_page_and_head(make_sim, layout, lengths, hq
         sim.advance()
 
 
-@pytest.mark.parametrize("p", [1, 4, 5], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize(
+    ("layout", "p"),
+    [
+        ("contiguous", 1),
+        ("contiguous", 4),
+        ("contiguous", 5),
+        ("paged", 1),
+        ("paged16", 4),
+        ("paged16", 16),
+    ],
+)
 def test_incremental_min_max_equals_recomputation(make_sim, layout, p: int) -> None:
-    sim = make_sim(
-        [22, 9, 16, 1],
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        num_layers=3,
-        layout=layout,
-        max_new_tokens=9,
-    )
+    kw = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8, "num_layers": 3, "layout": layout}
+    sim = make_sim([22, 9, 16, 1], max_new_tokens=9, **kw)
     quest = Quest(QuestConfig(budget=8, page_size=p, dense_layers=1, n_sink=1, n_local=2))
-    pool = sim.attach(quest)
+    state = sim.attach(quest)
+    assert state.side["quest_kmin"].shape[1:] == (2, 2, 8)  # only the 2 sparse layers
 
-    def check() -> None:
+    def check(sim) -> None:
         for layer in (1, 2):
             for b, n in enumerate(sim.lengths.tolist()):
                 kmin, kmax = _brute_pages(sim.keys[layer][b], n, p)
-                np_ = kmin.shape[1]
-                assert torch.equal(pool["quest_kmin"][b, layer - 1, :, :np_], kmin)
-                assert torch.equal(pool["quest_kmax"][b, layer - 1, :, :np_], kmax)
-                # Pages not reached yet hold nothing.
-                assert bool((pool["quest_kmin"][b, layer - 1, :, np_:] == float("inf")).all())
-                assert int(pool["quest_pages_built"][b, layer - 1]) == n
+                got_min, got_max = _state_pages(state, sim, layer - 1, b, n, p)
+                assert torch.equal(got_min, kmin), (layer, b)
+                assert torch.equal(got_max, kmax), (layer, b)
 
-    for step in range(9):
-        if step == 5:
-            # Forget sequence 1's pages on layer 2: this step folds 14 positions for it and
-            # one for the others, in one call.
-            pool["quest_pages_built"][1, 1] = 0
-            pool["quest_kmin"][1, 1] = float("inf")
-            pool["quest_kmax"][1, 1] = float("-inf")
+    check(sim)
+    for _ in range(9):
         for layer in range(3):
-            quest.select(sim.step(layer), pool)
-        check()
+            sim.select(layer)
         sim.advance()
+        check(sim)
+    # A new sequence in the same slots and KV locations: each page restarts at its first key,
+    # nothing of the old sequence's keys is left in its bounds.
+    sim.release()
+    again = make_sim([22, 9, 16, 1], max_new_tokens=9, seed=3, **kw)
+    again.attach(quest, state)
+    for _ in range(3):
+        again.select(2)
+        again.advance()
+    sim = again
+    check(again)
 
 
 def test_first_layers_are_dense(make_sim) -> None:
     sim = make_sim([40, 13], num_q_heads=4, num_kv_heads=2, head_dim=8, num_layers=4)
     quest = selectors.create("quest", budget=16, page_size=8, n_sink=1, n_local=1)
     assert quest.config.dense_layers == 2
-    pool = sim.attach(quest)
-    # Only the two sparse layers keep pages: [capacity, L - 2, Hkv, ceil(max_seq_len / 8), D].
-    assert pool["quest_kmin"].shape == (2, 2, 2, -(-sim.capacity_len // 8), 8)
+    state = sim.attach(quest)
+    # Only the two sparse layers keep pages: [pages + 1, L - 2, Hkv, D].
+    side = state.side
+    assert side["quest_kmin"].shape == (side.num_pages + 1, 2, 2, 8)
+    assert side.num_pages == -(-2 * state.row_stride // 8)
     for layer in range(4):
-        sel = quest.select(sim.step(layer), pool)
-        assert sel.is_dense == (layer < 2)
+        sel = sim.select(layer)
+        st = sim.plan().stats
+        assert (sel is None) == (layer < 2)
         if layer < 2:
-            assert torch.equal(sel.stats.num_selected, sim.lengths.view(-1, 1).expand(-1, 2))
+            assert torch.equal(st.num_selected, sim.seq_lens().view(-1, 1).expand(-1, 2))
         else:
             assert sel.block_size == 8
-            assert bool((sel.stats.num_selected < sim.lengths.view(-1, 1)).any())
-        assert not bool(sel.stats.retrieved.any())
+            assert bool((st.num_selected < sim.seq_lens().view(-1, 1)).any())
+        assert not bool(st.retrieved.any())
     none_dense = Quest(QuestConfig(dense_layers=0, page_size=8, budget=8))
-    assert not none_dense.select(sim.step(0), sim.attach(none_dense)).is_dense
+    sim.attach(none_dense)
+    assert sim.select(0, none_dense) is not None
 
 
 @pytest.mark.parametrize(("lengths", "hq", "hkv"), GEOMETRIES, ids=GEOMETRY_IDS)
 def test_selection_is_window_pages_plus_top_pages_by_bound(
-    make_sim, layout, lengths, hq, hkv
+    make_sim, tools, quest_layout, lengths, hq, hkv
 ) -> None:
     p, budget, n_sink, n_local = 4, 13, 2, 3
     sim = make_sim(
-        lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=8, layout=layout, max_new_tokens=3
+        lengths,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=8,
+        layout=quest_layout,
+        max_new_tokens=3,
     )
     quest = Quest(
         QuestConfig(budget=budget, page_size=p, dense_layers=0, n_sink=n_sink, n_local=n_local)
     )
-    pool = sim.attach(quest)
+    sim.attach(quest)
     g = hq // hkv
     for _ in range(3):
-        sel = quest.select(sim.step(0), pool)
+        sel = sim.select(0)
         assert sel.block_size == p
         for b, n in enumerate(sim.lengths.tolist()):
             kmin, kmax = _brute_pages(sim.keys[0][b], n, p)
@@ -174,75 +209,58 @@ def test_selection_is_window_pages_plus_top_pages_by_bound(
             )
             bound = (terms.sum(-1) * sim.scaling).amax(1)  # [Hkv, pages]
             n_pages = bound.shape[-1]
-            window = {i for i in range(n) if i < n_sink or i >= n - n_local}
-            win_pages = {i // p for i in window}
+            win_pages = tools.blocks_of(tools.window(n, n_sink, n_local), p)
+            others = [j for j in range(n_pages) if j not in win_pages]
             for h in range(hkv):
-                chosen = {int(i) for i in sel.indices[b, h] if i >= 0}
+                chosen = tools.chosen(sel, b, h)
                 assert win_pages <= chosen
-                extra = chosen - win_pages
-                others = [j for j in range(n_pages) if j not in win_pages]
-                assert len(extra) == min(budget // p, len(others))
-                left = [bound[h, j].item() for j in others if j not in extra]
-                if extra and left:
-                    assert min(bound[h, j].item() for j in extra) >= max(left) - 1e-5
+                scores = bound[h].tolist()
+                want = tools.brute_topk(others, budget // p, scores)
+                tools.assert_same_topk(chosen - win_pages, want, scores, atol=1e-5)
             expect_bytes = n_pages * 2 * 8 * 4
             assert sel.stats.proxy_bytes[b].tolist() == [expect_bytes] * hkv
-        mask = sel.to_mask(sim.lengths, sim.max_len, hkv)
-        assert torch.equal(sel.stats.num_selected, mask.sum(-1))
+        mask = sim.mask(sel)
+        assert torch.equal(sel.stats.num_selected, mask.sum(-1).int())
         out, _ = sim.attend(0, sel)
         torch.testing.assert_close(out.double(), sim.reference_output(0, mask), rtol=0, atol=1e-5)
         sim.advance()
 
 
-def test_layouts_agree(make_sim) -> None:
-    got = []
-    for layout in ("contiguous", "paged"):
-        sim = make_sim(
-            [45, 30, 2],
-            num_q_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            layout=layout,
-            num_layers=3,
-            max_new_tokens=2,
-        )
-        quest = Quest(QuestConfig(budget=8, page_size=4, n_sink=1, n_local=2))
-        pool = sim.attach(quest)
-        run = []
-        for _ in range(2):
-            for layer in range(3):
-                sel = quest.select(sim.step(layer), pool)
-                run.append((sel.indices, sim.attend(layer, sel)[0]))
-            sim.advance()
-        got.append(run)
-    for (ia, oa), (ib, ob) in zip(*got, strict=True):
-        assert (ia is None and ib is None) or torch.equal(ia, ib)
-        assert torch.equal(oa, ob)
-
-
 @pytest.mark.parametrize("p", [4, 16], ids=lambda p: f"page{p}")
-def test_budget_covering_the_sequence_gives_the_dense_output(make_sim, layout, p: int) -> None:
+def test_budget_covering_the_sequence_gives_the_dense_output(
+    make_sim, quest_layout, p: int
+) -> None:
     lengths = [50, 33, 1]
-    sim = make_sim(lengths, num_q_heads=6, num_kv_heads=2, head_dim=16, layout=layout)
+    sim = make_sim(lengths, num_q_heads=6, num_kv_heads=2, head_dim=16, layout=quest_layout)
     quest = Quest(QuestConfig(budget=max(lengths), page_size=p, dense_layers=0))
-    sel = quest.select(sim.step(0), sim.attach(quest))
-    assert torch.equal(sel.stats.num_selected, sim.lengths.view(-1, 1).expand(-1, 2))
+    sim.attach(quest)
+    sel = sim.select(0)
+    assert torch.equal(sel.stats.num_selected, sim.seq_lens().view(-1, 1).expand(-1, 2))
     out, _ = sim.attend(0, sel)
-    dense, _ = sim.attend(0, Selection(None))
+    dense, _ = sim.attend(0, None)
     torch.testing.assert_close(out, dense, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double(), sim.reference_output(0), rtol=0, atol=1e-5)
 
 
-def test_proxy_bytes_use_the_cache_element_size(make_sim) -> None:
+def test_bounds_are_kept_in_the_cache_dtype_and_bytes_use_its_size(make_sim) -> None:
     sim = make_sim([40, 7], num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
     quest = Quest(QuestConfig(budget=8, page_size=8, dense_layers=0))
-    pool = sim.attach(quest)
-    stats = quest.select(sim.step(0), pool).stats
+    state = sim.attach(quest)
+    assert state.side["quest_kmin"].dtype == torch.bfloat16
+    stats = sim.select(0).stats
     assert stats.proxy_bytes.flatten().tolist() == [5 * 2 * 16 * 2, 1 * 2 * 16 * 2]
-    # The float32 pages hold the bf16 keys' extremes exactly.
+    # A min or max of bf16 keys is a bf16 key: exact.
     kmin, kmax = _brute_pages(sim.keys[0][0], 40, 8)
-    assert torch.equal(pool["quest_kmin"][0, 0, :, :5], kmin)
-    assert torch.equal(pool["quest_kmax"][0, 0, :, :5], kmax)
+    got_min, got_max = _state_pages(state, sim, 0, 0, 40, 8)
+    assert torch.equal(got_min, kmin) and torch.equal(got_max, kmax)
+
+
+def test_paged_pool_must_use_whole_quest_pages() -> None:
+    quest = Quest(QuestConfig(page_size=16))
+    spec = AttentionSpec(2, 2, 1, 8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quest.init_state(spec, capacity=2, max_seq_len=64, num_kv_locations=256, kv_page_size=8)
+    quest.init_state(spec, capacity=2, max_seq_len=64, num_kv_locations=256, kv_page_size=32)
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class SelectorConfig:
-    """Hyperparameters every decode selector shares (SPEC.md §3, "Shared").
+    """Hyperparameters every decode selector shares (the "Selectors" docs page).
 
     Parameters
     ----------

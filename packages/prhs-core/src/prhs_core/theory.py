@@ -1,4 +1,4 @@
-"""The dropped-mass theory of SPEC.md §2, batched in torch.
+"""The dropped-mass theory of the docs' *Theory* page, batched in torch.
 
 Conventions
 -----------
@@ -13,7 +13,7 @@ leading dimensions (batch, heads, steps) are carried through.
 - ``values``: ``[..., T, Dv]``.
 
 Half-precision inputs are computed in float32; float64 inputs stay float64. The dropped mass is
-always computed as the dropped set's own mass in log space (SPEC §2.7), never as ``1 - τ``.
+always computed as the dropped set's own mass in log space, never as ``1 - τ``.
 
 Functions whose result is undefined for an empty selection (``p_S``, ``o_S``) raise on one.
 """
@@ -238,7 +238,7 @@ def output_error(
 def output_error_bound(
     delta: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``2δ · max_i ‖v_i‖`` (SPEC §2.2), an upper bound on ``‖o − o_S‖``; ``[...]``.
+    """``2δ · max_i ‖v_i‖``, an upper bound on ``‖o − o_S‖``; ``[...]``.
 
     ``delta``: ``[...]`` dropped masses; ``values``: ``[..., T, Dv]``.
     """
@@ -307,7 +307,7 @@ def routing_mutual_information(probs: torch.Tensor) -> torch.Tensor:
 
 
 def mi_loss_bound(deltas: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
-    """``B_MI = f(δ̄) + mean_q f(δ_q)`` with ``f`` the entropy bound (SPEC §2.4).
+    """``B_MI = f(δ̄) + mean_q f(δ_q)`` with ``f`` the entropy bound.
 
     ``|I_full − I_S| ≤ B_MI ≤ 2 f(δ̄)``, where ``δ_q`` is each query's dropped mass (its TV),
     ``δ̄`` their mean and ``t`` the number of cached positions.
@@ -374,7 +374,7 @@ def log_reuse_certificate(
 def reuse_certificate(
     delta_anchor: float | torch.Tensor, eps: float | torch.Tensor
 ) -> torch.Tensor:
-    """``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)`` (SPEC §2.5).
+    """``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)``.
 
     If ``S`` was chosen for an anchor query with dropped mass ``δ_a`` and every logit moves by at
     most ``ε`` (:func:`logit_shift_bound`), then ``δ(S; q) ≤ δ̂``, provided every position added
@@ -468,7 +468,7 @@ def top_mass_recall(
 ) -> torch.Tensor:
     """Recall of the smallest top part of ``S*_k`` holding ``mass_fraction`` of its mass.
 
-    The SPEC's "recall of the top-50%-mass set of ``S*_k``"; ``[...]`` in ``[0, 1]``.
+    The "recall of the top-50%-mass set of ``S*_k``"; ``[...]`` in ``[0, 1]``.
     """
     check_probability("mass_fraction", mass_fraction)
     work, sel, valid_ = _prep(logits, selected, valid)
@@ -516,7 +516,7 @@ def top_p_budget(
     min_size: int = 1,
     max_size: int | None = None,
 ) -> TopPSelection:
-    """Smallest top set ``S`` with ``δ(S) ≤ δ_target`` (top-p, ``p = 1 − δ_target``; SPEC §2.6).
+    """Smallest top set ``S`` with ``δ(S) ≤ δ_target`` (top-p, ``p = 1 − δ_target``).
 
     ``min_size`` (default 1) keeps the set non-empty when ``δ_target = 1``; ``max_size`` caps it
     (the caller then gets ``δ > δ_target`` where the cap binds, as CIS's ``k_max`` does).
@@ -552,7 +552,7 @@ def group_query_heads(
     """Reduce ``[B, Hq, ...]`` over each KV head's ``g = Hq/Hkv`` query heads -> ``[B, Hkv, ...]``.
 
     Query head ``h`` belongs to KV head ``h // g`` (transformers' ``repeat_kv`` order). prhs
-    scores a position for a KV head by the *mean* of its group's probabilities (SPEC §1), so the
+    scores a position for a KV head by the *mean* of its group's probabilities, so the
     group's dropped mass is the mean of its heads' dropped masses; certificates use the *max*
     of the group's logit shifts.
     """

@@ -295,17 +295,18 @@ class PrhsRuntime:
         held: _CacheState,
         layer: int,
         kv: ContiguousKV,
-        first: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
-        """Write logical positions ``[first[b], seq_lens[b])`` of each row to the side caches."""
+        """Write the K/V at logical ``positions [B, W]`` (``-1``: none) to the side caches."""
+        held.written.add(layer)
+        if held.state.side is None and not self._checked(kv.k.device):
+            return  # nothing keeps them, and nothing checks them
         b, _, t, _ = kv.k.shape
-        pos = torch.arange(t, device=kv.k.device).view(1, -1).expand(b, -1)
-        pos = torch.where(pos >= first.view(-1, 1), pos, -1)
-        loc = token_locations(kv, pos, held.state.row_stride)  # -1 where none
-        start = kv.start.long() if kv.start is not None else torch.zeros_like(first)
-        col = (pos + start.view(-1, 1)).clamp(0, t - 1)
-        rows = torch.arange(b, device=kv.k.device).view(-1, 1).expand(b, t)
-        key = kv.k[rows, :, col]  # [B, T, Hkv, D]
+        loc = token_locations(kv, positions, held.state.row_stride)  # -1 where none
+        start = kv.start.long() if kv.start is not None else torch.zeros_like(positions[:, 0])
+        col = (positions + start.view(-1, 1)).clamp(0, t - 1)
+        rows = torch.arange(b, device=kv.k.device).view(-1, 1).expand_as(col)
+        key = kv.k[rows, :, col]  # [B, W, Hkv, D]
         value = kv.v[rows, :, col]
         self.selector.write_kv(
             held.state,
@@ -315,7 +316,13 @@ class PrhsRuntime:
             value.flatten(0, 1),
             checked=self._checked(kv.k.device),
         )
-        held.written.add(layer)
+
+    @staticmethod
+    def _all_positions(kv: ContiguousKV) -> torch.Tensor:
+        """``[B, T]`` every logical position of each row (``-1`` past its length)."""
+        t = kv.k.shape[2]
+        pos = torch.arange(t, device=kv.k.device).view(1, -1).expand(kv.batch_size, -1)
+        return torch.where(pos < kv.seq_lens.view(-1, 1), pos, -1)
 
     # -- hooks ------------------------------------------------------------------------------
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -384,7 +391,7 @@ class PrhsRuntime:
                 self._new_state(self._cache, b, key.dtype, query.device)
             held = getattr(self._cache, _STATE_ATTR, None)
             if held is not None and self._fresh_prefill and tq == tk:
-                self._write_kv(held, layer, kv, torch.zeros_like(lens))
+                self._write_kv(held, layer, kv, self._all_positions(kv))
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
                 mask = self._prefill_mask(layer, attention_mask, start, tk)
@@ -397,8 +404,10 @@ class PrhsRuntime:
         if layer == self._first_layer:
             plan.update(lens.to(torch.int32), torch.arange(b))
         # The new token's K/V (or, on a cache prefilled without prhs, all of them).
-        first = lens - 1 if layer in held.written else torch.zeros_like(lens)
-        self._write_kv(held, layer, kv, first)
+        if layer in held.written:
+            self._write_kv(held, layer, kv, (lens - 1).view(-1, 1))
+        else:
+            self._write_kv(held, layer, kv, self._all_positions(kv))
         kv = ContiguousKV(key, value, plan.seq_lens, start.to(torch.int32))
         q = query[:, :, 0]
         selection = self.selector.select(plan, layer, q, kv, held.state)

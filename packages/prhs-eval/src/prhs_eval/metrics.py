@@ -1,17 +1,17 @@
-"""SPEC.md §1 selection metrics, measured against dense scores on the same decode steps.
+"""Selection metrics (the docs' *Theory* page), measured against dense scores on the same steps.
 
 A :class:`SelectionMeter` is an observer of a :class:`~prhs_eval.integration.PrhsRuntime`: after
 each selection it scores every cached key exactly (what dense attention would have used) and
 records, per (step, layer, KV head) decision:
 
-- ``δ``: the group-mean dropped mass of the positions read (log space, SPEC §2.7);
+- ``δ``: the group-mean dropped mass of the positions read (in log space);
 - ``β``: the retained-mass gap to the oracle of the same size, ``τ(S*_{|S|}) − τ(S)``;
 - oracle overlap ``|S ∩ S*_{|S|}| / |S|`` and the recall of the top-50%-mass part of it;
 - ``ρ̂`` (share of decisions that scored every key, in %), ``Avg KV`` (mean ``|S|``), and the
   bytes read per step (selected K/V rows + proxy bytes, per sequence, all layers);
 - violations of a certified ``δ̂`` (``δ > δ̂``), when the selector certifies;
 - routing mutual information per (layer, query head) over the steps of a sequence: the
-  empirical ``ΔI_emp = |I_full − I_S|`` beside the bound ``B_MI`` (SPEC §2.4), with the
+  empirical ``ΔI_emp = |I_full − I_S|`` beside the bound ``B_MI``, with the
   support of every step padded to the sequence's final length.
 """
 

@@ -25,9 +25,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from prhs_core.checks import check_float_tensor, check_index_tensor, check_int, check_values_finite
+from prhs_core.checks import (
+    check_float_tensor,
+    check_in_range,
+    check_index_tensor,
+    check_int,
+    check_values_finite,
+)
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.layout import KVLayout
+from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.plan import DecodePlan
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
@@ -205,6 +211,11 @@ class BaseSelector:
         if layer not in spec.selectable_layers:
             raise ValueError(f"layer {layer} is a sliding-window layer; it is not selected")
         check_query(query, kv)
+        if kv.max_len < 1:
+            raise ValueError(
+                "the cache holds no position (max_len = 0): a decode step caches at least its "
+                "own token"
+            )
         if kv.num_kv_heads != spec.num_kv_heads or query.shape[1] != spec.num_q_heads:
             raise ValueError(
                 f"step has Hq={query.shape[1]}, Hkv={kv.num_kv_heads}; the state was made for "
@@ -219,6 +230,14 @@ class BaseSelector:
             self.block_size
         ):
             raise ValueError("plan was made by another selector: use this selector's make_plan")
+        side = state.side
+        if isinstance(kv, ContiguousKV) and side is not None:
+            rows = side.num_locations // state.row_stride
+            if kv.batch_size > rows:  # row b's keys live at b * row_stride + t
+                raise ValueError(
+                    f"the contiguous cache holds {kv.batch_size} rows but the state's side cache "
+                    f"covers {rows}: make the state with capacity >= the cache's rows"
+                )
         if plan.checked:
             kv.check_values()
             if not torch.equal(kv.seq_lens.cpu(), plan.seq_lens.cpu()):
@@ -252,7 +271,8 @@ class BaseSelector:
     ) -> None:
         """The host wrote ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at KV ``locations [n]``
         (int, distinct; ``-1`` for none): update the side caches. Non-finite key rows are
-        skipped and counted, or raise with ``checked=True`` (a host read)."""
+        skipped and counted, or raise with ``checked=True`` (a host read, which also checks
+        that every location exists)."""
         spec = self._spec()
         check_int("layer", layer, minimum=0)
         if layer >= spec.num_layers:
@@ -268,6 +288,9 @@ class BaseSelector:
             )
         if checked:
             check_values_finite("key", key, where=f" (layer {layer})")
+            if state.side is not None:
+                last = state.side.num_locations - 1
+                check_in_range("locations", locations, -1, last, "the side cache's (-1: none)")
         if state.side is None or layer not in spec.selectable_layers:
             return
         finite = torch.isfinite(key).flatten(1).all(-1)  # [n]

@@ -1,4 +1,4 @@
-"""``cis``: Critical-Index Sharing, PrHS's selector on the time axis (SPEC.md §3).
+"""``cis``: Critical-Index Sharing, PrHS's selector on the time axis.
 
 Consecutive decoding queries of a head are similar, and so are their critical indices. CIS keeps,
 per (sequence, layer, KV head), an *anchor*: the query that last scored every key, its critical
@@ -11,7 +11,7 @@ Two reuse rules:
 - paper mode (``delta_max=None``): reuse iff ``cos(q, q_a) ≥ τ`` and ``t − t_a ≤ n_local``;
 - certified mode (``delta_max`` set): reuse iff the pre-hoc certificate
   ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a) ≤ δ_max`` holds, with
-  ``ε = max_h ‖q_h − q_{a,h}‖ · K_max · scaling`` (SPEC §2.5), and also the paper rule unless
+  ``ε = max_h ‖q_h − q_{a,h}‖ · K_max · scaling``, and also the paper rule unless
   ``require_cosine=False``. A retrieval then picks the smallest top set with
   ``δ ≤ delta_target`` (top-p), capped at ``k_max`` positions.
 
@@ -35,6 +35,7 @@ from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
+from prhs_core.theory import log_reuse_certificate
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import dilate_indices
 from prhs_kernels.kv import gather_kv
@@ -49,7 +50,7 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class CISConfig(SelectorConfig):
-    """Hyperparameters of CIS (defaults from SPEC.md §3).
+    """Hyperparameters of CIS (defaults from the paper; see the CIS docs page).
 
     Parameters
     ----------
@@ -147,22 +148,6 @@ def group_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Te
     lse_drop = torch.logsumexp(lg.masked_fill(keep.unsqueeze(2), NEG_INF), dim=-1)
     per_head = lse_drop - lse_all  # [B, H, g]
     return torch.logsumexp(per_head, dim=-1) - math.log(per_head.shape[-1])
-
-
-def _log_certificate(log_delta_anchor: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """``log δ̂``, ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)``, float64, on the device.
-
-    The formula of :func:`prhs_core.theory.log_reuse_certificate` without its input checks,
-    which read device values on the host (no CUDA graph, no ``meta`` tensors) and raise on the
-    NaN ``ε`` of a skipped non-finite query; here a NaN ``ε`` gives a NaN ``δ̂``, never a reuse.
-    """
-    la = log_delta_anchor.double()
-    a = la + 2 * eps.double()
-    b = torch.log1p(-torch.exp(la))  # log(1 − δ_a), -inf when δ_a = 1
-    out = a - torch.logaddexp(a, b)
-    # δ_a = 0 keeps δ̂ = 0 whatever ε; an infinite shift with δ_a > 0 certifies nothing (δ̂ = 1).
-    out = torch.where(torch.isposinf(a), torch.zeros_like(out), out)
-    return torch.where(torch.isneginf(la), la, out)
 
 
 def _token_mask(parts: list[torch.Tensor], s: int, t: int, lens: torch.Tensor) -> torch.Tensor:
@@ -269,7 +254,7 @@ class CIS(BaseSelector):
             new_keys, _ = gather_kv(kv, new_pos, values=False)
             kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
             eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
-            log_dhat = _log_certificate(a_logd, eps)
+            log_dhat = log_reuse_certificate(a_logd, eps.double(), check=False)
             reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
         reuse &= ~bad
         retrieve = ~reuse & ~bad

@@ -1,0 +1,29 @@
+"""``dense``: no selection (``None``), every cached position read, no state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_selectors import Dense
+
+GEOMETRIES = [([37, 12, 1], 2, 2, 8), ([50, 29], 6, 2, 16)]
+
+
+@pytest.mark.parametrize(("lengths", "hq", "hkv", "d"), GEOMETRIES, ids=["Hq2-Hkv2", "Hq6-Hkv2"])
+def test_dense_reads_every_position(make_sim, layout, lengths, hq, hkv, d) -> None:
+    sim = make_sim(
+        lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, layout=layout, max_new_tokens=2
+    )
+    dense = Dense()
+    state = sim.attach(dense)
+    assert dense.selection_width() == 0
+    assert state.side is None and state.pool.field_names == ()
+    for _ in range(2):
+        assert sim.select(0) is None
+        st = sim.plan().stats
+        assert torch.equal(st.num_selected, sim.seq_lens().view(-1, 1).expand(-1, hkv))
+        assert not bool(st.retrieved.any()) and not bool(st.proxy_bytes.any())
+        out, _ = sim.attend(0, None)
+        torch.testing.assert_close(out.double(), sim.reference_output(0), rtol=0, atol=1e-5)
+        sim.advance()
