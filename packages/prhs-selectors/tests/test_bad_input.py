@@ -170,3 +170,21 @@ def test_a_contiguous_cache_with_more_rows_than_the_state_is_rejected(make_sim, 
     with pytest.raises(ValueError, match=r"locations\[0\] = \d+ is out of range"):
         sel.write_kv(small, 0, loc, key, key, checked=True)
     tools.assert_same_state(before, tools.snapshot(small))
+
+
+def test_a_contiguous_cache_longer_than_the_state_rows_is_rejected(make_sim, tools, case):
+    """A contiguous side-cache row holds ``row_stride`` positions: a longer cache would write
+    its tail into the next row's locations."""
+    sim = make_sim([300, 17], capacity=2, **KW)
+    sel = tools.make_selector(case)
+    short = sel.init_state(sim.spec, capacity=2, max_seq_len=200, kv_dtype=sim.dtype)
+    short.pool.create([0, 1])
+    plan = sel.make_plan(short, batch_size=2, scaling=sim.scaling)
+    plan.update(sim.seq_lens(), torch.tensor([0, 1]))
+    kv = sim.kv(0)
+    if short.side is None or kv.max_len <= short.row_stride:
+        return  # nothing indexed by position, or the cache fits
+    before = tools.snapshot(short)
+    with pytest.raises(ValueError, match="positions but the state's side cache rows hold 256"):
+        sel.select(plan, 0, sim.queries[0], kv, short)
+    tools.assert_same_state(before, tools.snapshot(short))

@@ -11,11 +11,12 @@ GQA: one decision per KV head; a position's score for a KV head is the mean of i
 heads' attention probabilities (query head ``h`` belongs to KV head ``h // g``).
 
 Non-finite input: a (sequence, KV head) whose query holds a NaN or an infinity is *skipped*: it
-reads only the positions its selector picks without scoring (the sink and local windows, and
-H2O's recent window), its persistent state is left as it was, and it is counted in
-``state.nonfinite``. A checked plan raises instead, before anything changes. A non-finite key row
-written through :meth:`BaseSelector.write_kv` is never folded into a side cache (its location is
-still reset, so no stale metadata survives) and is counted; ``checked=True`` raises instead.
+reads only the positions its selector picks without looking at the query (the sink and local
+windows, and Streaming's and H2O's recent windows), its persistent state is left as it was, and
+it is counted in ``state.nonfinite``. A checked plan raises instead, before anything changes. A
+non-finite key row written through :meth:`BaseSelector.write_kv` is never folded into a side
+cache (its location is still reset, so no stale metadata survives) and is counted;
+``checked=True`` raises instead.
 """
 
 from __future__ import annotations
@@ -237,6 +238,12 @@ class BaseSelector:
                 raise ValueError(
                     f"the contiguous cache holds {kv.batch_size} rows but the state's side cache "
                     f"covers {rows}: make the state with capacity >= the cache's rows"
+                )
+            if kv.max_len > state.row_stride:  # position t >= row_stride would be the next row's
+                raise ValueError(
+                    f"the contiguous cache holds {kv.max_len} positions but the state's side "
+                    f"cache rows hold {state.row_stride}: make the state with max_seq_len >= "
+                    f"{kv.max_len}"
                 )
         if plan.checked:
             kv.check_values()
