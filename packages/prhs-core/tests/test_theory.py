@@ -1,4 +1,5 @@
-"""SPEC.md §2: every equality checked exactly, every inequality on random and adversarial input."""
+"""The Theory page's statements: every equality checked exactly, every inequality on random and
+adversarial input."""
 
 from __future__ import annotations
 
