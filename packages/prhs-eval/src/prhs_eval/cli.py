@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -227,52 +226,6 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
     check_model_name(args.model)
 
 
-def _evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
-    from tqdm.auto import tqdm
-
-    from prhs_eval.models import load_model
-    from prhs_eval.report import format_table, write_all
-    from prhs_eval.runner import compare
-
-    t0 = time.perf_counter()
-    loaded = load_model(args.model)
-    total = len(specs) * len(args.tasks) * args.samples
-    bar = tqdm(total=total, disable=args.quiet, unit="run", dynamic_ncols=True, file=sys.stderr)
-
-    def progress(msg: str) -> None:
-        bar.set_postfix_str(msg, refresh=False)
-        bar.update(1)
-
-    task_options: dict[str, Any] = {}
-    if args.haystack:
-        task_options["haystack"] = args.haystack
-    if args.text is not None:
-        task_options["source"] = str(args.text)
-    try:
-        results = compare(
-            loaded,
-            specs,
-            args.tasks,
-            context_len=args.context_len,
-            num_samples=args.samples,
-            seed=args.seed,
-            task_options=task_options,
-            progress=progress,
-            measure=not args.no_measure,
-        )
-    finally:
-        bar.close()
-    sys.stdout.write(
-        f"model {loaded.name} · context {args.context_len} tokens · "
-        f"{args.samples} sample(s)/task · seed {args.seed} · "
-        f"{time.perf_counter() - t0:.0f} s\n\n"
-    )
-    sys.stdout.write(format_table(results) + "\n")
-    paths = write_all(results, args.out)
-    sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in paths.values()) + "\n")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None, registry: Registry | None = None) -> int:
     """Run the CLI; returns the process exit code (2 for bad arguments)."""
     parser = build_parser()
@@ -286,7 +239,9 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
             _check_model_and_tasks(args)
         except (UsageError, UnknownSelectorError, TypeError, ValueError) as exc:
             parser.exit(2, f"prhs-eval {args.command}: error: {exc}\n")
-        return _evaluate(args, specs)
+        from prhs_eval.evaluate import evaluate
+
+        return evaluate(args, specs)
     parser.print_help()
     return 0
 

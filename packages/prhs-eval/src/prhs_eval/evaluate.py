@@ -1,0 +1,60 @@
+"""The work behind ``prhs-eval run`` and ``prhs-eval compare``, after the CLI has checked every
+argument: load the model, run, report, write the results."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["evaluate"]
+
+
+def evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
+    """Load the model, run every (task, selector, sample), print the table, write the files;
+    ``args`` and ``specs`` were checked by :mod:`prhs_eval.cli` before."""
+    from tqdm.auto import tqdm
+
+    from prhs_eval.models import load_model
+    from prhs_eval.report import format_table, write_all
+    from prhs_eval.runner import compare
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    total = len(specs) * len(args.tasks) * args.samples
+    bar = tqdm(total=total, disable=args.quiet, unit="run", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(msg: str) -> None:
+        bar.set_postfix_str(msg, refresh=False)
+        bar.update(1)
+
+    task_options: dict[str, Any] = {}
+    if args.haystack:
+        task_options["haystack"] = args.haystack
+    if args.text is not None:
+        task_options["source"] = str(args.text)
+    try:
+        results = compare(
+            loaded,
+            specs,
+            args.tasks,
+            context_len=args.context_len,
+            num_samples=args.samples,
+            seed=args.seed,
+            task_options=task_options,
+            progress=progress,
+            measure=not args.no_measure,
+        )
+    finally:
+        bar.close()
+    sys.stdout.write(
+        f"model {loaded.name} · context {args.context_len} tokens · "
+        f"{args.samples} sample(s)/task · seed {args.seed} · "
+        f"{time.perf_counter() - t0:.0f} s\n\n"
+    )
+    sys.stdout.write(format_table(results) + "\n")
+    paths = write_all(results, args.out)
+    sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in paths.values()) + "\n")
+    return 0
