@@ -70,7 +70,7 @@ BAD_ARGS = {
     "context": (["run", "cis", "--context-len", "0"], "positive integer"),
     "text-missing": (
         ["run", "cis", "--tasks", "perplexity", "--text", "/no/such.txt"],
-        "is not a file",
+        "does not exist",
     ),
     "text-without-perplexity": (["run", "cis", "--text", __file__], "perplexity task"),
     "haystack-for-perplexity": (

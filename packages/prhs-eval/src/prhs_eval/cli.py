@@ -1,6 +1,9 @@
 """The ``prhs-eval`` command line.
 
 - ``prhs-eval selectors``: every registered selector with its hyperparameters' defaults.
+- ``prhs-eval tasks``: every task with its kind, description and minimum context.
+- ``prhs-eval models``: the embedded models, their architecture, context limit and whether
+  they are installed.
 - ``prhs-eval run SELECTOR``: one selector on one or more tasks.
 - ``prhs-eval compare``: several selectors on identical inputs. With no arguments it compares
   dense, oracle, prhs, quest, h2o and streaming on SmolLM2-135M, passkey and NIAH at about
@@ -8,7 +11,9 @@
 
 Both ``run`` and ``compare`` print a table, and write ``results.jsonl``, ``results.csv`` and
 ``results.png`` (accuracy and δ against budget) into ``--out``. Every argument is checked, and
-every selector built from its options, before the model is loaded.
+every selector built from its options, before the model is loaded: a mistake is one line
+on stderr and exit code 2. Heavy modules (torch, the selector registry) are imported only by the
+commands that need them, so ``prhs-eval --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prhs_core.registry import Registry, UnknownSelectorError, selectors
 from prhs_eval import __version__
+
+if TYPE_CHECKING:
+    from prhs_core.registry import Registry
 
 __all__ = ["DEFAULT_COMPARE", "DEFAULT_TASKS", "build_parser", "main"]
 
@@ -30,10 +37,57 @@ DEFAULT_TASKS = ("passkey", "niah_single")
 DEFAULT_CONTEXT = 4096
 DEFAULT_SAMPLES = 3
 DEFAULT_OUT = "prhs-eval-results"
+_DTYPES = ("float32", "bfloat16", "float16")  # prhs_eval.models.DTYPES, without importing it
 
 
 class UsageError(ValueError):
     """A command-line argument that cannot work; reported before any work starts."""
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns under a header and a rule; the last column is not padded."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [f"{c:<{w}}" for c, w in zip(row, widths, strict=False)]
+        return "  ".join([*cells, row[-1]]).rstrip()
+
+    lines = [line(head)]
+    lines.append("-" * len(lines[0]))
+    lines += [line(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _format_tasks() -> str:
+    from prhs_eval.preflight import task_min_context
+    from prhs_eval.tasks import TASKS
+
+    rows = []
+    for spec in TASKS.values():
+        minimum = task_min_context(spec.name)
+        rows.append((spec.name, spec.kind, f">= {minimum}" if minimum else "1", spec.description))
+    note = (
+        "\nmin context: the instructions, needle(s) and question alone, counted in words; in a "
+        "model's tokens they take more.\n"
+    )
+    return _table(("name", "kind", "min context", "description"), rows) + note
+
+
+def _format_models() -> str:
+    from prhs_eval.models import DEFAULT_MODEL, EMBEDDED_MODELS, is_installed
+
+    rows = []
+    for name, source in EMBEDDED_MODELS.items():
+        if is_installed(name):
+            installed = "yes"
+        else:
+            group = "uv sync" if source.group == "models" else f"uv sync --group {source.group}"
+            installed = f"no ({group})"
+        limit = str(source.max_positions) if source.max_positions else "?"
+        label = f"{name} (default)" if name == DEFAULT_MODEL else name
+        rows.append((label, source.architecture or "?", limit, installed, source.licence))
+    table = _table(("name", "architecture", "context", "installed", "licence"), rows)
+    return table + "\nAlso: a local directory written by save_pretrained, or a hub id org/name.\n"
 
 
 def _format_selectors(registry: Registry) -> str:
@@ -95,9 +149,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     p.add_argument(
         "--haystack",
-        choices=("repeat", "essays"),
         default=None,
-        help="NIAH/variable-tracking haystack (default: the task's)",
+        metavar="NAME|PATH",
+        help="NIAH/variable-tracking haystack: repeat, essays, or a UTF-8 text file of your own "
+        "(default: the task's)",
     )
     p.add_argument(
         "--text",
@@ -126,6 +181,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip measuring δ, β, overlap and MI against dense attention (faster)",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the model runs: cpu, cuda, cuda:N (default cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="parameter dtype (default bfloat16 on CUDA, float32 on CPU)",
+    )
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--overwrite", action="store_true", help="replace the results already in --out"
+    )
+    again.add_argument(
+        "--resume", action="store_true", help="keep the results in --out and run what is missing"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -138,10 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"prhs-eval {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("selectors", help="list the registered selectors and their defaults")
-    run = sub.add_parser("run", help="evaluate one selector")
+    sub.add_parser("tasks", help="list the tasks, their kind and minimum context")
+    sub.add_parser("models", help="list the embedded models and whether they are installed")
+    from prhs_eval.report import TABLE_LEGEND  # light: no torch
+
+    legend = TABLE_LEGEND
+    raw = argparse.RawDescriptionHelpFormatter
+    run = sub.add_parser("run", help="evaluate one selector", epilog=legend, formatter_class=raw)
     run.add_argument("selector", help="a registered selector name (see `prhs-eval selectors`)")
     _add_common(run)
-    cmp_ = sub.add_parser("compare", help="evaluate several selectors on identical inputs")
+    cmp_ = sub.add_parser(
+        "compare",
+        help="evaluate several selectors on identical inputs",
+        epilog=legend,
+        formatter_class=raw,
+    )
     cmp_.add_argument(
         "--selectors",
         type=_csv,
@@ -159,11 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fields(name: str) -> set[str]:
+    from prhs_core.registry import selectors
+
     config = selectors.get(name).config
     return {f.name for f in dataclasses.fields(config)} if config is not None else set()
 
 
+def _options_of(name: str) -> str:
+    fields = sorted(_fields(name))
+    return f"its options: {', '.join(fields)}" if fields else f"{name} has no options"
+
+
 def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--set`` items per selector. A global ``KEY=VALUE`` goes to every selector that has
+    ``KEY`` (an error when none has it); ``SEL.KEY=VALUE`` to ``SEL``, which must have it."""
     from prhs_eval.runner import parse_option_value
 
     per: dict[str, dict[str, Any]] = {n: {} for n in names}
@@ -178,18 +271,27 @@ def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict
                 raise UsageError(
                     f"--set {item!r}: {sel!r} is not among the selectors {list(names)}"
                 )
+            if field not in _fields(sel):
+                raise UsageError(
+                    f"--set {item!r}: selector {sel!r} has no option {field!r}, so it would be "
+                    f"ignored ({_options_of(sel)})"
+                )
             targets = [sel]
         else:
             field = key
             targets = [n for n in names if field in _fields(n)]
             if not targets:
-                raise UsageError(f"--set {item!r}: no selector among {list(names)} has {field!r}")
+                raise UsageError(
+                    f"--set {item!r}: no selector among {list(names)} has the option {field!r}, "
+                    f"so it would be ignored ({'; '.join(_options_of(n) for n in names)})"
+                )
         for t in targets:
             per[t][field] = value
     return per
 
 
 def _specs(args: argparse.Namespace) -> list[Any]:
+    from prhs_core.registry import selectors
     from prhs_eval.runner import SelectorSpec
 
     names = [args.selector] if args.command == "run" else list(args.selectors)
@@ -199,31 +301,82 @@ def _specs(args: argparse.Namespace) -> list[Any]:
         selectors.get(n)  # UnknownSelectorError lists the known names
     per = _parse_options(args.options, names)
     budgets = getattr(args, "budgets", None)
+    swept = [n for n in names if "budget" in _fields(n)]
+    if budgets and not swept:
+        raise UsageError(
+            f"--budgets: no selector among {list(names)} has a budget, so it would be ignored"
+        )
     specs = []
     for n in names:
-        if budgets and n != "dense":
+        if budgets and n in swept:
             specs += [SelectorSpec(n, {**per[n], "budget": b}) for b in budgets]
         else:
             specs.append(SelectorSpec(n, per[n]))
     return specs
 
 
+def _check_budgets(specs: Sequence[Any], context_len: int) -> None:
+    """A budget that covers the whole context reads every position: that is dense."""
+    for spec in specs:
+        budget = spec.config_dict().get("budget")
+        if isinstance(budget, int) and budget >= context_len:
+            origin = "" if "budget" in spec.options else " (its default)"
+            raise UsageError(
+                f"{spec.name}: budget {budget}{origin} >= context {context_len}: every "
+                f"position is read; this is dense attention (use a budget below "
+                f"{context_len} or the dense selector)"
+            )
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    from prhs_eval.preflight import check_text_file, check_text_long_enough
+    from prhs_eval.tasks import HAYSTACKS, check_haystack
+
+    if args.text is not None:
+        if "perplexity" not in args.tasks:
+            raise UsageError("--text is for the perplexity task; add it to --tasks")
+        text = check_text_file(args.text, "--text")
+        check_text_long_enough(
+            text, args.text, context_len=args.context_len, num_samples=args.samples
+        )
+    if args.haystack is not None:
+        if set(args.tasks) <= {"perplexity"}:
+            raise UsageError("--haystack is for the passkey, NIAH and variable-tracking tasks")
+        if args.haystack not in HAYSTACKS:
+            if not Path(args.haystack).exists():
+                raise UsageError(
+                    f"--haystack {args.haystack!r} is neither a haystack name "
+                    f"({', '.join(HAYSTACKS)}) nor an existing text file"
+                )
+            check_text_file(args.haystack, "--haystack")
+        check_haystack(args.haystack)  # essays installed; a file with enough sentences
+
+
 def _check_model_and_tasks(args: argparse.Namespace) -> None:
+    from prhs_eval import preflight
     from prhs_eval.models import check_model_name
     from prhs_eval.tasks import TASKS
 
+    if not args.tasks:
+        raise UsageError("no tasks given")
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         raise UsageError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
-    if not args.tasks:
-        raise UsageError("no tasks given")
-    if args.text is not None and not args.text.is_file():
-        raise UsageError(f"--text {str(args.text)!r} is not a file")
-    if args.text is not None and "perplexity" not in args.tasks:
-        raise UsageError("--text is for the perplexity task; add it to --tasks")
-    if args.haystack and set(args.tasks) <= {"perplexity"}:
-        raise UsageError("--haystack is for the passkey, NIAH and variable-tracking tasks")
+    _check_files(args)
     check_model_name(args.model)
+    preflight.check_hub_cached(args.model)
+    new_tokens = max(TASKS[t].max_new_tokens for t in args.tasks)
+    preflight.check_context(args.model, args.context_len, new_tokens)
+    preflight.check_task_contexts(args.tasks, args.context_len, args.samples, args.seed)
+    args.device = preflight.check_device(args.device)
+    if args.dtype is None:
+        args.dtype = preflight.default_dtype(args.device)
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    from prhs_eval.results import check_out_dir
+
+    check_out_dir(args.out, overwrite=args.overwrite, resume=args.resume)
 
 
 def main(argv: Sequence[str] | None = None, registry: Registry | None = None) -> int:
@@ -231,14 +384,36 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "selectors":
-        sys.stdout.write(_format_selectors(registry if registry is not None else selectors))
+        if registry is None:
+            from prhs_core.registry import selectors as registry
+        sys.stdout.write(_format_selectors(registry))
+        return 0
+    if args.command == "tasks":
+        sys.stdout.write(_format_tasks())
+        return 0
+    if args.command == "models":
+        sys.stdout.write(_format_models())
         return 0
     if args.command in ("run", "compare"):
+        from prhs_core.registry import UnknownSelectorError
+        from prhs_eval.data import DataPackageNotFoundError
+        from prhs_eval.models import ModelNotAvailableError
+
         try:  # every argument and selector option is checked before any work starts
             specs = _specs(args)
             _check_model_and_tasks(args)
-        except (UsageError, UnknownSelectorError, TypeError, ValueError) as exc:
-            parser.exit(2, f"prhs-eval {args.command}: error: {exc}\n")
+            _check_budgets(specs, args.context_len)
+            _check_out(args)
+        except (
+            UsageError,
+            UnknownSelectorError,
+            ModelNotAvailableError,
+            DataPackageNotFoundError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            message = " ".join(str(exc).split())
+            parser.exit(2, f"prhs-eval {args.command}: error: {message}\n")
         from prhs_eval.evaluate import evaluate
 
         return evaluate(args, specs)

@@ -182,13 +182,15 @@ def kjv_text() -> str:
     return "\n".join(str(r[0]).strip() for r in rows if str(r[0]).strip())
 
 
-def read_text_file(path: str | os.PathLike[str]) -> str:
+def read_text_file(path: str | os.PathLike[str], what: str = "text file") -> str:
     """Read a user-supplied UTF-8 text file.
 
     Parameters
     ----------
     path
         The file to read.
+    what
+        What the file is, for the error messages (``"text file"``, ``"haystack file"``).
 
     Returns
     -------
@@ -202,13 +204,13 @@ def read_text_file(path: str | os.PathLike[str]) -> str:
     """
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"text file {str(p)!r} does not exist")
+        raise ValueError(f"{what} {str(p)!r} does not exist")
     if not p.is_file():
-        raise ValueError(f"{str(p)!r} is not a file")
+        raise ValueError(f"{what} {str(p)!r} is not a file")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"text file {str(p)!r} is not UTF-8 text: {exc}") from exc
+        raise ValueError(f"{what} {str(p)!r} is not UTF-8 text: {exc}") from exc
     if not text.strip():
-        raise ValueError(f"text file {str(p)!r} is empty")
+        raise ValueError(f"{what} {str(p)!r} is empty")
     return text

@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["evaluate"]
@@ -14,15 +15,29 @@ __all__ = ["evaluate"]
 
 def evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
     """Load the model, run every (task, selector, sample), print the table, write the files;
-    ``args`` and ``specs`` were checked by :mod:`prhs_eval.cli` before."""
+    ``args`` and ``specs`` were checked by :mod:`prhs_eval.cli` before.
+
+    The output folder ``args.out`` is checked and prepared first
+    (:func:`prhs_eval.results.prepare_out_dir`: ``args.overwrite`` / ``args.resume``), each
+    finished row is logged there as it finishes, and with ``args.resume`` the rows already
+    logged are not run again. ``args.device`` / ``args.dtype`` go to the model loader when set.
+    """
     from tqdm.auto import tqdm
 
     from prhs_eval.models import load_model
-    from prhs_eval.report import format_table, write_all
+    from prhs_eval.report import TABLE_LEGEND, format_table, write_all
+    from prhs_eval.results import prepare_out_dir
     from prhs_eval.runner import compare
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model)
+    # Before the model loads: an earlier run's results are never overwritten silently.
+    log = prepare_out_dir(
+        Path(args.out),
+        overwrite=bool(getattr(args, "overwrite", False)),
+        resume=bool(getattr(args, "resume", False)),
+    )
+    load_kwargs = {k: v for k in ("device", "dtype") if (v := getattr(args, k, None)) is not None}
+    loaded = load_model(args.model, **load_kwargs)
     total = len(specs) * len(args.tasks) * args.samples
     bar = tqdm(total=total, disable=args.quiet, unit="run", dynamic_ncols=True, file=sys.stderr)
 
@@ -46,6 +61,7 @@ def evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
             task_options=task_options,
             progress=progress,
             measure=not args.no_measure,
+            log=log,
         )
     finally:
         bar.close()
@@ -54,7 +70,9 @@ def evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
         f"{args.samples} sample(s)/task · seed {args.seed} · "
         f"{time.perf_counter() - t0:.0f} s\n\n"
     )
-    sys.stdout.write(format_table(results) + "\n")
+    if log.loaded:
+        sys.stdout.write(f"resumed: {log.loaded} row(s) taken from {log.path}\n\n")
+    sys.stdout.write(format_table(results) + "\n" + TABLE_LEGEND + "\n")
     paths = write_all(results, args.out)
     sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in paths.values()) + "\n")
     return 0

@@ -6,6 +6,11 @@ One call::
     model.generate(**batch, max_new_tokens=32)              # batched, left-padded: works
     runtime.disable()                                       # back to the model's own attention
 
+or, disabled on leaving the block (also on an exception)::
+
+    with prhs_eval.enable(model, "cis", budget=128) as runtime:
+        model.generate(**batch, max_new_tokens=32)
+
 What it installs (transformers 5.x):
 
 - an ``AttentionInterface`` entry ``"prhs"`` (and the matching ``AttentionMaskInterface`` entry,
@@ -234,6 +239,15 @@ class PrhsRuntime:
                 del layer.self_attn._prhs_runtime
         self.model.set_attn_implementation(self._previous_impl or "sdpa")
         self.enabled = False
+
+    def __enter__(self) -> PrhsRuntime:
+        """``with prhs_eval.enable(model, ...) as runtime:`` -- the runtime itself."""
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Disable on leaving the ``with`` block, also when it raised (the exception
+        propagates)."""
+        self.disable()
 
     def add_observer(self, fn: StepObserver) -> None:
         """Call ``fn(step, selection)`` after every decode selection."""
@@ -477,7 +491,8 @@ def enable(
     Returns
     -------
     PrhsRuntime
-        Call :meth:`PrhsRuntime.disable` to restore the model.
+        Call :meth:`PrhsRuntime.disable` to restore the model, or use the runtime as a context
+        manager (``with enable(model, "cis") as runtime: ...``), which disables it on exit.
     """
     config = _text_config(model)
     family = getattr(config, "model_type", None)

@@ -17,7 +17,10 @@ records, per (step, layer, KV head) decision:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,7 +29,7 @@ from prhs_core.protocols import DecodeStep
 from prhs_core.selection import Selection
 from prhs_kernels.score import score_keys
 
-__all__ = ["SelectionMeter", "SelectionMetrics"]
+__all__ = ["MeterSums", "SelectionMeter", "SelectionMetrics"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,122 @@ class SelectionMetrics:
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain dict for result files."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class MeterSums:
+    """The running sums behind :class:`SelectionMetrics`, for any set of sequences.
+
+    Sums of disjoint sets of sequences add up (:meth:`combine`), so the metrics of a run can be
+    recomputed exactly from the sums of its samples (the per-sample rows of a results log):
+    :meth:`metrics` is the one place where means are taken, for a live meter and for sums read
+    back from a file alike.
+
+    Attributes
+    ----------
+    decisions:
+        Number of (step, layer, sequence, KV head) decisions measured.
+    sums:
+        Sum over decisions of ``delta``, ``beta``, ``overlap``, ``recall``, ``avg_kv`` and
+        ``retrieved`` (the last only when the selector reports statistics).
+    delta_max:
+        Largest ``δ`` (0 when nothing was measured).
+    violations:
+        Certificate violations (``None``: no certificate).
+    bytes_total, dense_bytes_total:
+        Bytes read (selector and dense attention) over every decode step and sequence.
+    steps:
+        Decode steps measured (per sequence).
+    mi_count, delta_i_sum, b_mi_sum:
+        Number of (sequence, layer, query head) routing-MI entries and the sums of their
+        ``ΔI_emp`` and ``B_MI``.
+    """
+
+    decisions: int = 0
+    sums: Mapping[str, float] = field(default_factory=dict)
+    delta_max: float = 0.0
+    violations: int | None = None
+    bytes_total: float = 0.0
+    dense_bytes_total: float = 0.0
+    steps: int = 0
+    mi_count: int = 0
+    delta_i_sum: float = 0.0
+    b_mi_sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sums", {str(k): float(v) for k, v in self.sums.items()})
+
+    def __add__(self, other: MeterSums) -> MeterSums:
+        if not isinstance(other, MeterSums):
+            return NotImplemented
+        sums = dict(self.sums)
+        for k, v in other.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        if self.violations is None and other.violations is None:
+            violations = None
+        else:
+            violations = (self.violations or 0) + (other.violations or 0)
+        return MeterSums(
+            decisions=self.decisions + other.decisions,
+            sums=sums,
+            delta_max=max(self.delta_max, other.delta_max),
+            violations=violations,
+            bytes_total=self.bytes_total + other.bytes_total,
+            dense_bytes_total=self.dense_bytes_total + other.dense_bytes_total,
+            steps=self.steps + other.steps,
+            mi_count=self.mi_count + other.mi_count,
+            delta_i_sum=self.delta_i_sum + other.delta_i_sum,
+            b_mi_sum=self.b_mi_sum + other.b_mi_sum,
+        )
+
+    @classmethod
+    def combine(cls, parts: Iterable[MeterSums]) -> MeterSums:
+        """The sums of all ``parts``, added in order."""
+        total = cls()
+        for p in parts:
+            total = total + p
+        return total
+
+    def metrics(self) -> SelectionMetrics:
+        """The metrics (``nan`` where nothing was measured)."""
+        n = self.decisions
+        nan = math.nan
+
+        def mean(name: str) -> float:
+            return self.sums.get(name, 0.0) / n if n else nan
+
+        steps = self.steps
+        mi = self.mi_count
+        return SelectionMetrics(
+            decisions=n,
+            delta_mean=mean("delta"),
+            delta_max=self.delta_max if n else nan,
+            beta_emp=mean("beta"),
+            oracle_overlap=mean("overlap"),
+            top_mass_recall=mean("recall"),
+            retrieval_ratio=100.0 * mean("retrieved") if "retrieved" in self.sums else nan,
+            avg_kv=mean("avg_kv"),
+            bytes_per_step=self.bytes_total / steps if steps else nan,
+            dense_bytes_per_step=self.dense_bytes_total / steps if steps else nan,
+            b_mi=self.b_mi_sum / mi if mi else nan,
+            delta_i_emp=self.delta_i_sum / mi if mi else nan,
+            certificate_violations=self.violations,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready: every value finite or ``None``) for result logs."""
+        out = asdict(self)
+        out["sums"] = dict(self.sums)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MeterSums:
+        """Inverse of :meth:`as_dict`."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown meter fields {sorted(unknown)}")
+        return cls(**dict(data))
 
 
 class _MIAccumulator:
@@ -222,33 +341,27 @@ class SelectionMeter:
             self._mi_results.append(self._mi.result())
             self._mi = _MIAccumulator()
 
-    def result(self) -> SelectionMetrics:
-        """The metrics so far (``nan`` where nothing was measured)."""
+    def sums(self) -> MeterSums:
+        """The running sums so far (closes the open sequence's MI sums first)."""
         self.end_sequence()
-        n = self._decisions
-        nan = float("nan")
-
-        def mean(name: str) -> float:
-            return self._sums.get(name, 0.0) / n if n else nan
-
         d_i = [x for x, _ in self._mi_results if x.numel()]
         b_mi = [y for _, y in self._mi_results if y.numel()]
-        steps = self._step_count
-        return SelectionMetrics(
-            decisions=n,
-            delta_mean=mean("delta"),
-            delta_max=self._delta_max if n else nan,
-            beta_emp=mean("beta"),
-            oracle_overlap=mean("overlap"),
-            top_mass_recall=mean("recall"),
-            retrieval_ratio=100.0 * mean("retrieved") if "retrieved" in self._sums else nan,
-            avg_kv=mean("avg_kv"),
-            bytes_per_step=self._bytes_total / steps if steps else nan,
-            dense_bytes_per_step=self._dense_total / steps if steps else nan,
-            b_mi=float(torch.cat(b_mi).mean()) if b_mi else nan,
-            delta_i_emp=float(torch.cat(d_i).mean()) if d_i else nan,
-            certificate_violations=self._violations,
+        return MeterSums(
+            decisions=self._decisions,
+            sums=dict(self._sums),
+            delta_max=self._delta_max,
+            violations=self._violations,
+            bytes_total=self._bytes_total,
+            dense_bytes_total=self._dense_total,
+            steps=self._step_count,
+            mi_count=sum(int(x.numel()) for x in d_i),
+            delta_i_sum=sum(float(x.double().sum()) for x in d_i),
+            b_mi_sum=sum(float(y.double().sum()) for y in b_mi),
         )
+
+    def result(self) -> SelectionMetrics:
+        """The metrics so far (``nan`` where nothing was measured)."""
+        return self.sums().metrics()
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and transformers are imported where they are used (fast CLI help)
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "CACHE_DIR_ENV",
     "DEFAULT_MODEL",
+    "DTYPES",
     "EMBEDDED_MODELS",
     "GGUFPart",
     "LoadedModel",
@@ -56,6 +56,7 @@ __all__ = [
     "check_model_name",
     "default_cache_dir",
     "gguf_sha256",
+    "is_installed",
     "load_model",
     "resolve_gguf_parts",
 ]
@@ -124,6 +125,10 @@ class ModelSource:
         Licence of the weights, and what it implies.
     expected_sha256 : str or None
         SHA-256 of the complete GGUF file, checked when known.
+    architecture : str
+        transformers ``model_type`` of the converted model (``"llama"``, ``"gemma3_text"``, ...).
+    max_positions : int or None
+        The model's context limit in tokens (``max_position_embeddings``), when known.
     """
 
     name: str
@@ -134,6 +139,8 @@ class ModelSource:
     group: str
     licence: str
     expected_sha256: str | None = None
+    architecture: str = ""
+    max_positions: int | None = None
 
     @property
     def install_hint(self) -> str:
@@ -165,6 +172,8 @@ EMBEDDED_MODELS: dict[str, ModelSource] = {
         group="models",
         licence="Apache-2.0",
         expected_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        architecture="llama",
+        max_positions=8192,
     ),
     "gemma3-270m": ModelSource(
         name="gemma3-270m",
@@ -181,6 +190,8 @@ EMBEDDED_MODELS: dict[str, ModelSource] = {
         group="gemma",
         licence="Gemma Terms of Use: never commit or redistribute the weights or the cache",
         expected_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        architecture="gemma3_text",
+        max_positions=32768,
     ),
     "qwen2.5-0.5b": ModelSource(
         name="qwen2.5-0.5b",
@@ -194,11 +205,16 @@ EMBEDDED_MODELS: dict[str, ModelSource] = {
         group="qwen",
         licence="unclear: third-party repackaging without a licence file; optional use only",
         expected_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        architecture="qwen2",
+        max_positions=32768,
     ),
 }
 
 #: The model :func:`load_model` loads when given no name (CI's model).
 DEFAULT_MODEL = "smollm2-135m"
+
+#: The parameter dtypes :func:`load_model` accepts by name.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -223,6 +239,10 @@ class LoadedModel:
         Size of the logits' last dimension. A large vocabulary (Gemma: 262k) makes full-sequence
         logits huge: pass ``logits_to_keep=1`` to the forward call when only the last position
         is needed.
+    revision : str or None
+        Which weights exactly: the GGUF file's SHA-256 for an embedded model (and for a
+        converted cache directory loaded as a local directory), the hub commit hash when
+        transformers reports it, else None.
     """
 
     model: PreTrainedModel
@@ -231,6 +251,7 @@ class LoadedModel:
     family: str
     source_path: str
     vocab_size: int
+    revision: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,7 +388,7 @@ def _remove_stale_temp_dirs(cache_dir: Path, key: str) -> None:
 
 
 def _from_pretrained(
-    name_or_path: str, *, dtype: torch.dtype, attn_implementation: str | None
+    name_or_path: str, *, dtype: torch.dtype | str, attn_implementation: str | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model and tokenizer with transformers' ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -393,6 +414,7 @@ def _load_from_gguf(
         raise ModelNotAvailableError(
             "transformers needs `gguf` to load a GGUF file: pip install gguf"
         )
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "dtype": torch.float32}
@@ -520,10 +542,17 @@ def _finalize(
     name: str,
     source_path: str,
     dtype: torch.dtype,
+    device: torch.device,
+    revision: str | None,
 ) -> LoadedModel:
-    """Eval mode, dtype, pad token, left padding, generation pad id; wrap in LoadedModel."""
+    """Eval mode, dtype, device, pad token, left padding, generation pad id; wrap in
+    LoadedModel."""
+    import torch
+
     if model.dtype != dtype:
         torch.nn.Module.to(model, dtype)  # in place; PreTrainedModel.to is oddly typed
+    if model.device != device:
+        torch.nn.Module.to(model, device)
     model.eval()
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -546,13 +575,60 @@ def _finalize(
         family=str(model.config.model_type),
         source_path=source_path,
         vocab_size=vocab_size,
+        revision=revision,
     )
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or one of the names in :data:`DTYPES`."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    """A torch device; None means CUDA when available, else the CPU."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _hub_revision(model: PreTrainedModel) -> str | None:
+    """The hub commit hash transformers recorded while loading, if any."""
+    value = getattr(model.config, "_commit_hash", None)
+    return value if isinstance(value, str) and value else None
+
+
+def _local_revision(directory: Path) -> str | None:
+    """The GGUF SHA-256 of a converted cache directory (its marker file), else None."""
+    try:
+        meta = json.loads((directory / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    sha = meta.get("gguf_sha256") if isinstance(meta, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
+def is_installed(name: str) -> bool:
+    """Whether the packages of the embedded model ``name`` are installed (nothing is read)."""
+    try:
+        resolve_gguf_parts(EMBEDDED_MODELS[name])
+    except ModelNotAvailableError:
+        return False
+    return True
 
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "float32",
+    device: torch.device | str | None = "cpu",
     cache_dir: Path | None = None,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
@@ -569,8 +645,12 @@ def load_model(
           qualifies);
         - a hub id ``"org/name"``, loaded with ``from_pretrained`` (needs network access or a
           populated Hugging Face cache).
-    dtype : torch.dtype, default torch.float32
-        Parameter dtype of the returned model. The cache always holds float32 weights.
+    dtype : torch.dtype or str, default ``"float32"``
+        Parameter dtype of the returned model, a torch dtype or a name in :data:`DTYPES`. The
+        cache always holds float32 weights.
+    device : torch.device or str or None, default ``"cpu"``
+        Where the returned model lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...); None means
+        CUDA when available, else the CPU.
     cache_dir : pathlib.Path or None
         Where converted embedded models live; default :func:`default_cache_dir`.
     attn_implementation : str or None
@@ -579,7 +659,8 @@ def load_model(
     Returns
     -------
     LoadedModel
-        The model in eval mode and its tokenizer (pad token set, left padding).
+        The model in eval mode on ``device`` and its tokenizer (pad token set, left padding);
+        its ``revision`` names the exact weights when known.
 
     Raises
     ------
@@ -590,18 +671,30 @@ def load_model(
         A name that is neither embedded, nor an existing directory, nor of hub-id form.
     """
     kind = _classify(name_or_path)
+    torch_dtype = _resolve_dtype(dtype)
+    torch_device = _resolve_device(device)
     if kind == "embedded":
         return _load_embedded(
             EMBEDDED_MODELS[name_or_path],
-            dtype=dtype,
+            dtype=torch_dtype,
+            device=torch_device,
             cache_dir=default_cache_dir() if cache_dir is None else Path(cache_dir),
             attn_implementation=attn_implementation,
         )
     location = str(Path(name_or_path).expanduser()) if kind == "local" else name_or_path
     model, tokenizer = _from_pretrained(
-        location, dtype=dtype, attn_implementation=attn_implementation
+        location, dtype=torch_dtype, attn_implementation=attn_implementation
     )
-    return _finalize(model, tokenizer, name=name_or_path, source_path=location, dtype=dtype)
+    revision = _local_revision(Path(location)) if kind == "local" else _hub_revision(model)
+    return _finalize(
+        model,
+        tokenizer,
+        name=name_or_path,
+        source_path=location,
+        dtype=torch_dtype,
+        device=torch_device,
+        revision=revision,
+    )
 
 
 def _classify(name_or_path: str) -> Literal["embedded", "local", "hub"]:
@@ -641,6 +734,7 @@ def _load_embedded(
     source: ModelSource,
     *,
     dtype: torch.dtype,
+    device: torch.device,
     cache_dir: Path,
     attn_implementation: str | None,
 ) -> LoadedModel:
@@ -656,8 +750,17 @@ def _load_embedded(
         model, tokenizer = _from_pretrained(
             str(final), dtype=dtype, attn_implementation=attn_implementation
         )
-        return _finalize(model, tokenizer, name=source.name, source_path=str(final), dtype=dtype)
-    model, tokenizer, origin = _convert(
-        source, paths, sha256, cache_dir, final, attn_implementation=attn_implementation
+        source_path = str(final)
+    else:
+        model, tokenizer, source_path = _convert(
+            source, paths, sha256, cache_dir, final, attn_implementation=attn_implementation
+        )
+    return _finalize(
+        model,
+        tokenizer,
+        name=source.name,
+        source_path=source_path,
+        dtype=dtype,
+        device=device,
+        revision=sha256,
     )
-    return _finalize(model, tokenizer, name=source.name, source_path=origin, dtype=dtype)

@@ -6,7 +6,9 @@ options on one task) in the order the runs were made:
 - :func:`format_table` renders the plain-text table the CLI prints;
 - :func:`write_jsonl` writes one JSON record per run, samples included (``nan`` → ``null``);
 - :func:`write_csv` writes one flat row per run (``nan`` → empty cell, options as JSON);
-- :func:`plot` draws accuracy (or perplexity) and mean ``δ`` against the budget;
+- :func:`figure` builds the plot (bars for one budget, curves against several) and
+  :func:`plot` saves it as a PNG;
+- :data:`TABLE_LEGEND` explains the table's columns;
 - :func:`write_all` writes all three files into one folder.
 
 Plots are rendered with the Agg canvas on a bare :class:`matplotlib.figure.Figure`, so no
@@ -32,8 +34,13 @@ __all__ = [
     "LEGEND_ROW_HEIGHT",
     "PANEL_HEIGHT",
     "PANEL_WIDTH",
+    "TABLE_LEGEND",
+    "ZERO_BELOW",
+    "figure",
     "format_table",
     "plot",
+    "shared_prefill_note",
+    "table_legend",
     "to_json_safe",
     "write_all",
     "write_csv",
@@ -140,17 +147,38 @@ def _pad(text: str, width: int, right: bool) -> str:
     return fill + text if right else text + fill
 
 
+ZERO_BELOW = 1e-12
+"""Magnitudes below this show as 0 in the table (float noise, e.g. dense attention's β_emp)."""
+
+
+def _denoise(x: float) -> float:
+    return 0.0 if abs(x) < ZERO_BELOW else x
+
+
 def _fmt(spec: str) -> Callable[[float | int | None], str]:
     def fmt(x: float | int | None) -> str:
         if x is None or (isinstance(x, float) and math.isnan(x)):
             return _MISSING
-        return format(x, spec)
+        return format(_denoise(x) if isinstance(x, float) else x, spec)
 
     return fmt
 
 
 def _fmt_percent(x: float | None) -> str:
-    return _MISSING if x is None or math.isnan(x) else f"{100.0 * x:.1f}%"
+    return _MISSING if x is None or math.isnan(x) else f"{100.0 * _denoise(x):.1f}%"
+
+
+def _has_budget(r: RunResult) -> bool:
+    return r.selector != DENSE and r.budget is not None
+
+
+def _dense_layers(r: RunResult) -> str:
+    n = r.options.get("dense_layers")
+    return str(n) if isinstance(n, int) and not isinstance(n, bool) else _MISSING
+
+
+def _prefill(r: RunResult) -> str:
+    return "shared" if r.prefill_shared else _f2(r.prefill_seconds)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -163,12 +191,14 @@ _g4 = _fmt(".4g")
 _g3 = _fmt(".3g")
 _f3 = _fmt(".3f")
 _f1 = _fmt(".1f")
+_f2 = _fmt(".2f")
 
 # (header, right-aligned, cell)
 _COLUMNS: tuple[tuple[str, bool, Callable[[RunResult], str]], ...] = (
     ("task", False, lambda r: r.task),
     ("selector", False, lambda r: r.selector),
-    ("budget", True, lambda r: _MISSING if r.selector == DENSE else str(r.budget)),
+    ("budget", True, lambda r: str(r.budget) if _has_budget(r) else _MISSING),
+    ("dense L", True, _dense_layers),
     ("acc", True, lambda r: _fmt_percent(r.accuracy)),
     ("ppl", True, lambda r: _f3(r.perplexity)),
     ("δ mean", True, lambda r: _g4(r.metrics.delta_mean)),
@@ -186,8 +216,56 @@ _COLUMNS: tuple[tuple[str, bool, Callable[[RunResult], str]], ...] = (
     ("B_MI", True, lambda r: _g3(r.metrics.b_mi)),
     ("ΔI_emp", True, lambda r: _g3(r.metrics.delta_i_emp)),
     ("cert", True, lambda r: _fmt("d")(r.metrics.certificate_violations)),
+    ("prefill s", True, _prefill),
     ("s/tok", True, lambda r: _g3(_ratio(r.decode_seconds, r.decode_tokens))),
 )
+
+_LEGEND: dict[str, str] = {
+    "task": "the task (samples generated from the seed at the context length)",
+    "selector": "the selector (sparse-attention method); dense is full attention, the reference",
+    "budget": "k, KV positions a selector may read per step beyond its sink and local windows "
+    "(- : no budget, dense)",
+    "dense L": "leading layers the selector leaves dense, outside its budget (Quest's "
+    "dense_layers; - : none)",
+    "acc": "accuracy: mean task score, % (generation tasks)",
+    "ppl": "perplexity of the scored tokens, decoded through the selector (perplexity tasks)",
+    "δ mean": "mean dropped attention mass δ of the positions read (0 = nothing dropped)",
+    "δ max": "largest δ of any decision",
+    "β_emp": "mean retained-mass gap to the oracle set of the same size (0 = oracle-optimal)",
+    "overlap": "mean overlap with the oracle set of the same size (1 = identical)",
+    "ρ̂ %": "share of decisions that scored every key (a full retrieval), %",
+    "Avg KV": "mean positions read per KV head per step",
+    "KB/step": "KiB read per decode step (K/V rows + proxies, all layers)",
+    "vs dense": "bytes read as % of what dense attention reads",
+    "B_MI": "mean routing mutual-information loss bound",
+    "ΔI_emp": "mean measured routing mutual-information loss (≤ B_MI)",
+    "cert": "certificate violations: decisions whose certified δ̂ fell below the measured δ "
+    "(- : the selector does not certify)",
+    "prefill s": "seconds of the selector's own prefill; shared: it reused the dense prefill "
+    "made once per sample (its time is reported once, under the table)",
+    "s/tok": "decode seconds per decode step",
+}
+
+
+def table_legend() -> str:
+    """What every column of :func:`format_table` means, one line per column.
+
+    Returns
+    -------
+    str
+        ``"Columns:"`` then one indented ``name  meaning`` line per column, ending with a
+        newline; ``-`` marks a missing value, and magnitudes below 1e-12 show as 0.
+    """
+    headers = [h for h, _, _ in _COLUMNS]
+    width = max(_display_width(h) for h in headers)
+    lines = ["Columns:"]
+    lines += [f"  {_pad(h, width, False)}  {_LEGEND[h]}" for h in headers]
+    lines.append(f"  - is a missing value; magnitudes below {ZERO_BELOW:g} show as 0.")
+    return "\n".join(lines) + "\n"
+
+
+TABLE_LEGEND: str = table_legend()
+"""The legend of :func:`format_table` (:func:`table_legend`), e.g. for ``--help``."""
 
 
 def format_table(results: Sequence[RunResult]) -> str:
@@ -197,11 +275,17 @@ def format_table(results: Sequence[RunResult]) -> str:
     order), under a header and a rule line. Numbers are right-aligned; missing values (``nan``,
     no certificate, no decode steps) show as ``-``.
 
-    Columns: ``task``, ``selector`` (name), ``budget`` (``-`` for dense),
+    Values whose magnitude is below :data:`ZERO_BELOW` show as ``0``. Under the rows, the time
+    of the shared dense prefill is given once per task (:func:`shared_prefill_note`); rows
+    that reused it show ``shared`` in ``prefill s``. :data:`TABLE_LEGEND` explains every column.
+
+    Columns: ``task``, ``selector`` (name), ``budget`` (``-`` for dense), ``dense L`` (Quest's
+    dense layers),
     ``acc`` (% with one decimal), ``ppl`` (three decimals), ``δ mean``, ``δ max`` and ``β_emp``
     (four significant digits), ``overlap`` (oracle overlap), ``ρ̂ %``, ``Avg KV``, ``KB/step``
     (bytes read per decode step / 1024), ``vs dense`` (bytes read as % of dense), ``B_MI`` and
-    ``ΔI_emp`` (three significant digits), ``cert`` (certificate violations) and ``s/tok``
+    ``ΔI_emp`` (three significant digits), ``cert`` (certificate violations), ``prefill s``
+    and ``s/tok``
     (decode seconds per decode step).
 
     Parameters
@@ -238,7 +322,27 @@ def format_table(results: Sequence[RunResult]) -> str:
 
     head = line(headers)
     rule = "-" * (sum(widths) + len(sep) * (len(widths) - 1))
-    return "\n".join([head, rule, *(line(row) for row in cells)]) + "\n"
+    lines = [head, rule, *(line(row) for row in cells)]
+    note = shared_prefill_note(ordered)
+    if note:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def shared_prefill_note(results: Sequence[RunResult]) -> str:
+    """The shared dense prefill's time, once per task: ``"shared dense prefill: passkey
+    1.23 s, niah_single 1.10 s (...)"``, or ``""`` when no run reused it."""
+    per_task: dict[str, float] = {}
+    for r in results:
+        if r.prefill_shared and r.task not in per_task:
+            per_task[r.task] = r.shared_prefill_seconds
+    if not per_task:
+        return ""
+    parts = ", ".join(f"{t} {s:.2f} s" for t, s in per_task.items())
+    return (
+        f"shared dense prefill: {parts} (made once per sample, reused by the rows "
+        "whose prefill is 'shared')"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +421,6 @@ def write_csv(results: Sequence[RunResult], path: PathLike) -> Path:
 
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-_LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
 
 def _title(items: Sequence[RunResult]) -> str:
@@ -327,23 +430,16 @@ def _title(items: Sequence[RunResult]) -> str:
     return f"{', '.join(models)} — context {ctx} tokens"
 
 
-def _value_panels(groups: Mapping[str, list[RunResult]]) -> list[tuple[str, str]]:
-    """``(attribute, y label)`` of the quality panels: accuracy and/or perplexity."""
-    has_acc = any(_finite(r.accuracy) for rs in groups.values() for r in rs)
-    has_ppl = any(
-        not any(_finite(r.accuracy) for r in rs) and any(_finite(r.perplexity) for r in rs)
-        for rs in groups.values()
-    )
-    panels = []
-    if has_acc or not has_ppl:
-        panels.append(("accuracy", "accuracy (%)"))
-    if has_ppl:
-        panels.append(("perplexity", "perplexity"))
-    return panels
-
-
 def _task_metric(runs: Sequence[RunResult]) -> str:
     return "accuracy" if any(_finite(r.accuracy) for r in runs) else "perplexity"
+
+
+_YLABELS = {
+    "accuracy": "accuracy (%)",
+    "perplexity": "perplexity",
+    "beta": "β_emp (gap to oracle)",
+    "bytes": "bytes read vs dense (%)",
+}
 
 
 def _y(r: RunResult, attr: str) -> float:
@@ -351,30 +447,184 @@ def _y(r: RunResult, attr: str) -> float:
         return 100.0 * r.accuracy
     if attr == "perplexity":
         return r.perplexity
-    return r.metrics.delta_mean
+    if attr == "beta":
+        b = r.metrics.beta_emp
+        return _denoise(b) if _finite(b) else b
+    if r.selector == DENSE:
+        return 100.0
+    return 100.0 * _ratio(r.metrics.bytes_per_step, r.metrics.dense_bytes_per_step)
 
 
-def plot(results: Sequence[RunResult], path: PathLike) -> Path:
-    """Draw quality and mean ``δ`` against the budget into a PNG.
+def _beta_scale(ax: Any, values: Sequence[float]) -> None:
+    positive = [v for v in values if _finite(v) and v > 0]
+    if positive and len(positive) == len([v for v in values if _finite(v)]):
+        ax.set_yscale("log")
+    elif positive:
+        ax.set_yscale("symlog", linthresh=10.0 ** math.floor(math.log10(min(positive))))
 
-    Panels, side by side: accuracy in % (tasks with an accuracy), perplexity (tasks without
-    one; a third panel only when both kinds of task are present) and mean dropped mass ``δ``
-    (log axis when every plotted ``δ`` is positive, else symlog). Each selector gets a
-    colour and marker, each task a line style; a selector with one budget shows as points.
-    Dense attention, whose budget is irrelevant, is a dashed black horizontal reference in
-    the quality panels (it has ``δ = 0`` and is left out of the ``δ`` panel). The title names
-    the model(s) and context length(s); the legend sits below the panels.
 
-    The image is ``PANEL_WIDTH × DPI`` pixels wide per panel and
-    ``(PANEL_HEIGHT + LEGEND_ROW_HEIGHT × legend rows) × DPI`` pixels high, with up to six
-    legend entries per row (selectors, then tasks when there are several).
+def figure(results: Sequence[RunResult]) -> Any:
+    """Build the plot of a run as a :class:`matplotlib.figure.Figure` (nothing is saved).
+
+    With one budget (every selector but dense at the same budget): one row of bar panels,
+    quality (accuracy in %, or perplexity; one panel per kind present), ``β_emp`` and bytes
+    read vs dense in %, with the tasks on the x axis and one bar per selector (dense
+    included: its β_emp is 0 and its bytes 100%). With several budgets: one column per task
+    (titled with the task) and one row per metric (quality, ``β_emp``, bytes vs dense),
+    each selector a curve against the budget and dense a dashed horizontal reference. Each
+    selector keeps one colour everywhere; the legend (below the panels) names them.
+    ``β_emp`` is on a log axis when every value is positive (symlog when some are 0), and
+    values below :data:`ZERO_BELOW` are 0.
 
     Parameters
     ----------
     results:
         The runs to draw.
-    path:
-        The ``.png`` file to (over)write; parent folders are created.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        The figure (Agg canvas); ``fig.axes`` are its panels.
+
+    Raises
+    ------
+    ValueError
+        If ``results`` is empty.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    items = _require(results, "plot")
+    groups = _group_by_task(items)
+    tasks = list(groups)
+    names = list(dict.fromkeys(r.selector for r in items))
+    curves = [n for n in names if n != DENSE]
+    colors = {n: ("black" if n == DENSE else f"C{curves.index(n) % 10}") for n in names}
+    markers = {n: _MARKERS[curves.index(n) % len(_MARKERS)] for n in curves}
+    budgets = sorted({r.budget for r in items if r.budget is not None and r.selector != DENSE})
+    if len(budgets) <= 1:
+        fig, handles = _bars(items, groups, tasks, names, colors, budgets)
+    else:
+        fig, handles = _curves(items, groups, tasks, curves, colors, markers, budgets)
+    FigureCanvasAgg(fig)
+    fig.suptitle(_title(items))
+    if handles:
+        ncols = max(1, min(_LEGEND_COLUMNS, len(handles)))
+        fig.legend(
+            handles=handles, loc="outside lower center", ncols=ncols, frameon=False, fontsize=9
+        )
+    return fig
+
+
+def _figsize(cols: int, rows: int, entries: int) -> tuple[float, float]:
+    legend_rows = math.ceil(entries / _LEGEND_COLUMNS) if entries else 0
+    return PANEL_WIDTH * cols, PANEL_HEIGHT * rows + LEGEND_ROW_HEIGHT * legend_rows
+
+
+def _bars(
+    items: Sequence[RunResult],
+    groups: Mapping[str, list[RunResult]],
+    tasks: Sequence[str],
+    names: Sequence[str],
+    colors: Mapping[str, str],
+    budgets: Sequence[int],
+) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    quality = [
+        m
+        for m in ("accuracy", "perplexity")
+        if any(_task_metric(rs) == m for rs in groups.values())
+    ]
+    panels = [*quality, "beta", "bytes"]
+    fig = Figure(figsize=_figsize(len(panels), 1, len(names)), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    width = 0.8 / max(1, len(names))
+    for ax, attr in zip(axes, panels, strict=True):
+        shown = [t for t in tasks if attr not in quality or _task_metric(groups[t]) == attr]
+        values: list[float] = []
+        for j, name in enumerate(names):
+            xs, ys = [], []
+            for k, task in enumerate(shown):
+                runs = [r for r in groups[task] if r.selector == name]
+                y = _y(runs[0], attr) if runs else math.nan
+                xs.append(k + (j - (len(names) - 1) / 2) * width)
+                ys.append(y if _finite(y) else 0.0)
+                values.append(y)
+            ax.bar(xs, ys, width=width, color=colors[name], label=name)
+        ax.set_xticks(range(len(shown)), shown)
+        ax.set_xlabel("task")
+        ax.set_ylabel(_YLABELS[attr])
+        if attr == "beta":
+            _beta_scale(ax, values)
+        ax.grid(True, axis="y", which="major", alpha=0.3)
+        if budgets:
+            ax.set_title(f"budget {budgets[0]}")
+    handles = [Patch(color=colors[n], label=n) for n in names]
+    return fig, handles
+
+
+def _curves(
+    items: Sequence[RunResult],
+    groups: Mapping[str, list[RunResult]],
+    tasks: Sequence[str],
+    curves: Sequence[str],
+    colors: Mapping[str, str],
+    markers: Mapping[str, str],
+    budgets: Sequence[int],
+) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import NullLocator
+
+    rows = ["quality", "beta", "bytes"]
+    has_dense = any(r.selector == DENSE for r in items)
+    entries = len(curves) + int(has_dense)
+    fig = Figure(figsize=_figsize(len(tasks), len(rows), entries), dpi=DPI, layout="constrained")
+    grid = fig.subplots(len(rows), len(tasks), squeeze=False)
+    for col, task in enumerate(tasks):
+        runs = groups[task]
+        for row, what in enumerate(rows):
+            ax = grid[row][col]
+            attr = _task_metric(runs) if what == "quality" else what
+            values: list[float] = []
+            for name in curves:
+                pts = sorted(
+                    (r.budget, _y(r, attr))
+                    for r in runs
+                    if r.selector == name and _has_budget(r) and _finite(_y(r, attr))
+                )
+                if not pts:
+                    continue
+                xs, ys = zip(*pts, strict=True)
+                values += ys
+                ax.plot(xs, ys, color=colors[name], marker=markers[name], linewidth=1.5,
+                        markersize=6, label=name)  # fmt: skip
+            dense = [_y(r, attr) for r in runs if r.selector == DENSE and _finite(_y(r, attr))]
+            if dense:
+                y = sum(dense) / len(dense)
+                values.append(y)
+                ax.axhline(y, color="black", linestyle="--", linewidth=1.2, label=DENSE)
+            if attr == "beta":
+                _beta_scale(ax, values)
+            if budgets[0] > 0 and budgets[-1] >= 4 * budgets[0]:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlabel("budget (KV positions)")
+            ax.set_ylabel(_YLABELS[attr])
+            ax.set_title(task)
+            ax.grid(True, which="major", alpha=0.3)
+    handles = [
+        Line2D([], [], color=colors[n], marker=markers[n], linestyle="-", label=n) for n in curves
+    ]
+    if has_dense:
+        handles.append(Line2D([], [], color="black", linestyle="--", label=DENSE))
+    return fig, handles
+
+
+def plot(results: Sequence[RunResult], path: PathLike) -> Path:
+    """Save :func:`figure` of ``results`` as a PNG at ``path`` (parent folders are created).
 
     Returns
     -------
@@ -386,114 +636,7 @@ def plot(results: Sequence[RunResult], path: PathLike) -> Path:
     ValueError
         If ``results`` is empty.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import NullLocator
-
-    items = _require(results, "plot")
-    groups = _group_by_task(items)
-    tasks = list(groups)
-    multi_task = len(tasks) > 1
-    labels = list(dict.fromkeys(r.selector for r in items if r.selector != DENSE))
-    has_dense = any(r.selector == DENSE for r in items)
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
-    markers = {label: _MARKERS[i % len(_MARKERS)] for i, label in enumerate(labels)}
-    styles = {task: _LINESTYLES[i % len(_LINESTYLES)] for i, task in enumerate(tasks)}
-
-    handles: list[Line2D] = [
-        Line2D([], [], color=colors[lb], marker=markers[lb], linestyle="-", label=lb)
-        for lb in labels
-    ]
-    if has_dense:
-        handles.append(Line2D([], [], color="black", linestyle="--", label="dense (any budget)"))
-    if multi_task:
-        handles += [
-            Line2D([], [], color="0.35", linestyle=styles[t], label=f"task: {t}") for t in tasks
-        ]
-    ncols = max(1, min(_LEGEND_COLUMNS, len(handles)))
-    legend_rows = math.ceil(len(handles) / ncols) if handles else 0
-
-    panels = [*_value_panels(groups), ("delta", "mean δ (dropped mass)")]
-    fig = Figure(
-        figsize=(PANEL_WIDTH * len(panels), PANEL_HEIGHT + LEGEND_ROW_HEIGHT * legend_rows),
-        dpi=DPI,
-        layout="constrained",
-    )
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    budgets = sorted({r.budget for r in items if r.selector != DENSE})
-
-    for ax, (attr, ylabel) in zip(axes, panels, strict=True):
-        deltas: list[float] = []
-        dense_tasks: dict[float, list[str]] = {}
-        for task, runs in groups.items():
-            if attr != "delta" and _task_metric(runs) != attr:
-                continue
-            for label in labels:
-                pts = sorted(
-                    (r.budget, _y(r, attr))
-                    for r in runs
-                    if r.selector == label and _finite(_y(r, attr))
-                )
-                if not pts:
-                    continue
-                xs, ys = zip(*pts, strict=True)
-                if attr == "delta":
-                    deltas += ys
-                ax.plot(
-                    xs,
-                    ys,
-                    color=colors[label],
-                    marker=markers[label],
-                    linestyle=styles[task],
-                    linewidth=1.5,
-                    markersize=6,
-                )
-            dense = [_y(r, attr) for r in runs if r.selector == DENSE and _finite(_y(r, attr))]
-            if attr != "delta" and dense:
-                y = sum(dense) / len(dense)
-                ax.axhline(y, color="black", linestyle="--", linewidth=1.2, alpha=0.8, zorder=1)
-                dense_tasks.setdefault(round(y, 9), []).append(task)
-        if multi_task:
-            # One label per reference line: tasks whose dense values coincide share it.
-            for y, names in dense_tasks.items():
-                ax.annotate(
-                    f"dense: {', '.join(names)}",
-                    xy=(0.01, y),
-                    xycoords=("axes fraction", "data"),
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                    fontsize=7,
-                    color="0.25",
-                    va="bottom",
-                    ha="left",
-                )
-        if attr == "delta":
-            if deltas and all(d > 0 for d in deltas):
-                ax.set_yscale("log")
-            elif deltas:
-                positive = [d for d in deltas if d > 0]
-                # Linear below the decade under the smallest positive δ, log above it.
-                floor = min(positive) if positive else 1e-6
-                ax.set_yscale("symlog", linthresh=10.0 ** math.floor(math.log10(floor)))
-        if budgets:
-            if budgets[0] > 0 and budgets[-1] >= 4 * budgets[0]:
-                ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.xaxis.set_minor_locator(NullLocator())
-            if len(budgets) == 1:
-                b = budgets[0]
-                ax.set_xlim(*((b * 0.5, b * 1.5) if b > 0 else (-1, 1)))
-        ax.set_xlabel("budget (KV positions)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="major", alpha=0.3)
-
-    fig.suptitle(_title(items))
-    if handles:
-        fig.legend(
-            handles=handles, loc="outside lower center", ncols=ncols, frameon=False, fontsize=9
-        )
+    fig = figure(results)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI, format="png")

@@ -9,13 +9,19 @@ Decoding is greedy. Every decode step is also measured against dense attention
 Perplexity samples: the first ``context_len − score_tokens`` tokens are prefilled, the last
 ``score_tokens`` are teacher-forced one decode step at a time through the selector, and their
 mean negative log-likelihood is reported.
+
+Every finished (selector, task, sample) becomes a row of a :class:`~prhs_eval.results.SampleLog`
+(appended to the output folder's log as it finishes, when the log has a file); rows already in
+the log are not run again (``--resume``), and every :class:`~prhs_eval.results.RunResult` is
+aggregated from the rows (:func:`~prhs_eval.results.aggregate`), so a resumed run reports what
+an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,7 +34,16 @@ from prhs_core.registry import selectors
 from prhs_eval.integration import PrhsRuntime, attention_spec, enable
 from prhs_eval.metrics import SelectionMeter
 from prhs_eval.models import LoadedModel
-from prhs_eval.results import RunResult, SampleResult
+from prhs_eval.results import (
+    ResumeMismatchError,
+    RunResult,
+    SampleLog,
+    SampleResult,
+    aggregate,
+    environment,
+    make_row,
+    row_key,
+)
 from prhs_eval.tasks import TASKS, Sample, make_samples, score
 
 __all__ = ["SelectorSpec", "compare", "parse_option_value"]
@@ -54,6 +69,21 @@ class SelectorSpec:
     def config_dict(self) -> dict[str, Any]:
         """The full config, defaults included."""
         return asdict(self.build().config)
+
+    def resolved_options(self, num_layers: int) -> dict[str, Any]:
+        """The full config as used on a model of ``num_layers`` layers: defaults included and
+        options left to ``None`` replaced by what they resolve to (certified CIS's
+        ``delta_target`` and ``k_max``, a ``start_layer`` of ``None``: ``num_layers // 2``)."""
+        config = self.build().config
+        out = asdict(config)
+        if getattr(config, "certified", False):
+            out["delta_target"] = config.retrieval_target
+            out["k_max"] = config.retrieval_cap
+        if "start_layer" in out and out["start_layer"] is None:
+            from prhs_selectors.prefill import resolve_start_layer
+
+            out["start_layer"] = resolve_start_layer(None, num_layers)
+        return out
 
 
 def parse_option_value(text: str) -> Any:
@@ -169,6 +199,7 @@ def compare(
     task_options: Mapping[str, Any] | None = None,
     progress: ProgressFn | None = None,
     measure: bool = True,
+    log: SampleLog | None = None,
 ) -> list[RunResult]:
     """Run every selector of ``specs`` on every task, on identical samples.
 
@@ -188,9 +219,20 @@ def compare(
         Extra keyword arguments for the task generators (``haystack="essays"``,
         ``source="path/to/text.txt"``); each goes to the tasks that take it.
     progress:
-        Called with a short message after each (sample, selector).
+        Called with a short message after each (sample, selector), also for the rows taken
+        from ``log`` (their message ends with ``(logged)``).
     measure:
         Measure selection metrics against dense attention (slower).
+    log:
+        The per-sample log (:func:`prhs_eval.results.prepare_out_dir`): each finished row is
+        appended to it, and rows it already holds are taken from it instead of being run.
+        ``None``: an in-memory log.
+
+    Raises
+    ------
+    ResumeMismatchError
+        ``log`` holds rows of a run with other settings (model, revision, context length,
+        seed, score tokens, task options, measuring) or of other prompts.
 
     Returns
     -------
@@ -204,12 +246,35 @@ def compare(
         raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
     if score_tokens < 1:
         raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
-    session = _Session(loaded)
     spec_model = attention_spec(loaded.model.config)
     options = dict(task_options or {})
     unused = set(options) - {p for t in tasks for p in _task_parameters(t)}
     if unused:
         raise ValueError(f"no task among {list(tasks)} takes the option(s) {sorted(unused)}")
+    revision = getattr(loaded, "revision", None)
+    run = {
+        "model": loaded.name,
+        "model_revision": revision,
+        "context_len": context_len,
+        "seed": seed,
+        "score_tokens": score_tokens,
+        "task_options": options,
+        "measure": measure,
+    }
+    if log is None:
+        log = SampleLog(None)
+    log.check_run(run)
+    session = _Session(loaded)
+    ctx = _RunContext(
+        session=session,
+        num_layers=spec_model.num_layers,
+        run=run,
+        env=environment(loaded.model, revision=revision),
+        log=log,
+        progress=progress,
+        measure=measure,
+        score_tokens=score_tokens,
+    )
     results: list[RunResult] = []
     for task in tasks:
         own = {k: v for k, v in options.items() if k in _task_parameters(task)}
@@ -221,56 +286,69 @@ def compare(
             seed=seed,
             **own,
         )
-        results.extend(
-            _run_task(
-                session,
-                spec_model.num_layers,
-                specs,
-                task,
-                samples,
-                context_len,
-                seed,
-                score_tokens,
-                progress,
-                measure,
-            )
-        )
+        results.extend(_run_task(ctx, specs, task, samples))
     return results
 
 
+@dataclass
+class _RunContext:
+    session: _Session
+    num_layers: int
+    run: dict[str, Any]
+    env: dict[str, Any]
+    log: SampleLog
+    progress: ProgressFn | None
+    measure: bool
+    score_tokens: int
+
+
+def _prompt_digest(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
 def _run_task(
-    session: _Session,
-    num_layers: int,
-    specs: Sequence[SelectorSpec],
-    task: str,
-    samples: Iterable[Sample],
-    context_len: int,
-    seed: int,
-    score_tokens: int,
-    progress: ProgressFn | None,
-    measure: bool,
+    ctx: _RunContext, specs: Sequence[SelectorSpec], task: str, samples: Iterable[Sample]
 ) -> list[RunResult]:
     kind = TASKS[task].kind
-    per_spec: list[dict[str, Any]] = [
-        {"samples": [], "meter": SelectionMeter(), "prefill": 0.0, "decode": 0.0, "tokens": 0}
-        for _ in specs
-    ]
-    samples = list(samples)
+    session = ctx.session
+    resolved = [spec.resolved_options(ctx.num_layers) for spec in specs]
+    rows: list[list[dict[str, Any]]] = [[] for _ in specs]
     for sample in samples:
+        digest = _prompt_digest(sample.prompt)
+        keys = [
+            row_key(s.name, o, task, sample.index) for s, o in zip(specs, resolved, strict=True)
+        ]
+        todo = []
+        for i, key in enumerate(keys):
+            row = ctx.log.get(key)
+            if row is None:
+                todo.append(i)
+                continue
+            if row.get("prompt_sha256") != digest:
+                raise ResumeMismatchError(
+                    f"the logged {task} sample #{sample.index} had another prompt than this "
+                    "run's (task data changed?); pass --overwrite or choose another --out"
+                )
+            rows[i].append(row)
+            if ctx.progress is not None:
+                ctx.progress(f"{task} #{sample.index} {specs[i].name} (logged)")
+        if not todo:
+            continue
         ids = session.encode(sample.prompt)
         targets = None
         if kind == "perplexity":
-            n = min(score_tokens, ids.shape[1] - 1)
+            n = min(ctx.score_tokens, ids.shape[1] - 1)
             ids, targets = ids[:, :-n], ids[0, -n:]
         shared: _Prefill | None = None
-        for spec, acc in zip(specs, per_spec, strict=True):
+        for i in todo:
+            spec = specs[i]
             selector = spec.build()
-            own_prefill = _changes_prefill(selector, num_layers, ids.shape[1])
+            own_prefill = _changes_prefill(selector, ctx.num_layers, ids.shape[1])
             if not own_prefill and shared is None:
                 shared = session.prefill(ids)
             runtime: PrhsRuntime = enable(session.model, selector)
-            meter: SelectionMeter = acc["meter"]
-            if measure:
+            meter = SelectionMeter()
+            if ctx.measure:
                 runtime.add_observer(meter)
             try:
                 if own_prefill:
@@ -278,7 +356,6 @@ def _run_task(
                 else:
                     assert shared is not None
                     pre = _Prefill(copy.deepcopy(shared.cache), shared.logits, shared.seconds)
-                acc["prefill"] += pre.seconds
                 if targets is None:
                     text, steps, secs = session.greedy(pre, sample.max_new_tokens)
                     result = SampleResult(
@@ -298,47 +375,28 @@ def _run_task(
                         sample.context_tokens,
                         "",
                         (),
-                        math.nan,
+                        float("nan"),
                         nll,
                         len(targets),
                     )
             finally:
                 runtime.disable()
-                meter.end_sequence()
-            acc["decode"] += secs
-            acc["tokens"] += steps
-            acc["samples"].append(result)
-            if progress is not None:
-                progress(f"{task} #{sample.index} {spec.name}")
-
-    out = []
-    for spec, acc in zip(specs, per_spec, strict=True):
-        done: list[SampleResult] = acc["samples"]
-        if kind == "perplexity":
-            tok = sum(s.scored_tokens for s in done)
-            ppl = math.exp(sum(s.nll * s.scored_tokens for s in done) / tok) if tok else math.nan
-            accuracy = math.nan
-        else:
-            ppl = math.nan
-            accuracy = sum(s.score for s in done) / len(done) if done else math.nan
-        config = spec.config_dict()
-        out.append(
-            RunResult(
-                model=session.loaded.name,
+            row = make_row(
+                run=ctx.run,
                 selector=spec.name,
-                task=task,
-                options=config,
-                budget=int(config.get("budget", 0)),
-                context_len=context_len,
-                num_samples=len(done),
-                seed=seed,
-                accuracy=accuracy,
-                perplexity=ppl,
-                metrics=acc["meter"].result(),
-                samples=tuple(done),
-                prefill_seconds=acc["prefill"],
-                decode_seconds=acc["decode"],
-                decode_tokens=acc["tokens"],
+                options=resolved[i],
+                sample=result,
+                prompt_sha256=digest,
+                prefill_seconds=pre.seconds if own_prefill else 0.0,
+                prefill_shared=not own_prefill,
+                shared_prefill_seconds=0.0 if own_prefill else pre.seconds,
+                decode_seconds=secs,
+                decode_tokens=steps,
+                meter=meter.sums(),
+                environment=ctx.env,
             )
-        )
-    return out
+            ctx.log.append(row)
+            rows[i].append(row)
+            if ctx.progress is not None:
+                ctx.progress(f"{task} #{sample.index} {spec.name}")
+    return [aggregate(r, kind=kind) for r in rows if r]
