@@ -328,14 +328,16 @@ class BaseSelector:
         return window_indices(kv.seq_lens, c.n_sink, c.n_local, self.block_size)
 
     def window_block_mask(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
-        """``[B, NB]`` bool: blocks holding a sink or local position."""
-        c, s = self.config, self.block_size
-        lens = kv.seq_lens.view(-1, 1)
-        j = torch.arange(n_blocks_total, device=lens.device, dtype=torch.int32).view(1, -1)
-        sink_end = (torch.clamp(lens, max=c.n_sink) + s - 1) // s
-        first_local = torch.clamp(lens - c.n_local, min=0) // s
-        local = (j >= first_local) if c.n_local > 0 else torch.zeros_like(j, dtype=torch.bool)
-        return ((j < sink_end) | local) & (j < (lens + s - 1) // s)
+        """``[B, NB]`` bool: blocks holding a sink or local position (the lists of
+        :meth:`windows`, as a mask)."""
+        ids = torch.cat(self.windows(kv), dim=-1).long()  # -1: no block
+        mask = torch.zeros(
+            ids.shape[0], n_blocks_total + 1, dtype=torch.bool, device=kv.seq_lens.device
+        )
+        mask.scatter_(
+            -1, torch.where(ids >= 0, ids.clamp(max=n_blocks_total), n_blocks_total), True
+        )
+        return mask[:, :n_blocks_total]
 
     def block_eligible(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
         """``[B, NB]`` bool: existing blocks outside the windows (what top-k may pick)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.checks import check_float_tensor, shape_str
+from prhs_core.checks import check_device, check_float_tensor, shape_str
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
 from prhs_kernels.score.cuda import score_keys_bmm, supports_bmm
 from prhs_kernels.score.reference import (
@@ -51,8 +51,8 @@ def check_query(query: object, kv: KVLayout) -> None:
             f"query dtype {query.dtype} differs from the cache dtype {kv.dtype}; "
             "cast the query to the cache dtype"
         )
-    if query.device != kv.device and "meta" not in (query.device.type, kv.device.type):
-        raise ValueError(f"query is on {query.device} but the cache is on {kv.device}")
+    storage = kv.k if isinstance(kv, ContiguousKV) else kv.k_pool
+    check_device(("query", "the cache"), (query, storage))
 
 
 def score_keys(
