@@ -69,6 +69,9 @@ class BaseSelector:
     config_type: ClassVar[type[Any]] = SelectorConfig
     certifies: ClassVar[bool] = False
     """Whether :attr:`prhs_core.selection.StepStats.delta_hat` is written."""
+    state_per_location: ClassVar[bool] = False
+    """Whether the side cache holds per-request data (not a function of the K/V stored at a
+    location): hosts that share KV locations between requests (a prefix cache) must not."""
 
     def __init__(self, config: Any | None = None) -> None:
         if config is None:

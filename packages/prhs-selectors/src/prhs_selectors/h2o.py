@@ -113,6 +113,8 @@ class H2O(BaseSelector):
         ws, wl = self.window_widths()
         return ws + wl + self.config.n_recent + self.config.n_heavy
 
+    state_per_location = True  # accumulated attention of the request holding the slot
+
     def uses_side_cache(self) -> bool:
         return True
 
