@@ -490,3 +490,20 @@ def test_optional_model_loads(
         logits = loaded.model(**enc, logits_to_keep=1).logits
     assert logits.shape == (1, 1, loaded.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def test_model_directory_is_the_converted_cache(tmp_path, monkeypatch):
+    """An embedded model's directory is its conversion cache; other names are refused."""
+    import pytest as _pytest
+
+    from prhs_eval import models
+
+    calls = []
+    monkeypatch.setattr(models, "load_model", lambda name, cache_dir: calls.append(name))
+    monkeypatch.setattr(models, "resolve_gguf_parts", lambda source: [])
+    monkeypatch.setattr(models, "gguf_sha256", lambda paths: "ab" * 32)
+    path = models.model_directory("smollm2-135m", cache_dir=tmp_path)
+    assert path == tmp_path / models.cache_key("smollm2-135m", "ab" * 32)
+    assert calls == ["smollm2-135m"]  # not converted yet: converted through load_model
+    with _pytest.raises(ValueError, match="not an embedded model"):
+        models.model_directory("/some/dir")

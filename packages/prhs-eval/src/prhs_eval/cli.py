@@ -14,6 +14,16 @@ Both ``run`` and ``compare`` print a table, and write ``results.jsonl``, ``resul
 every selector built from its options, before the model is loaded: a mistake is one line
 on stderr and exit code 2. Heavy modules (torch, the selector registry) are imported only by the
 commands that need them, so ``prhs-eval --help`` answers at once.
+
+``prhs-eval run NAME --server URL`` runs the tasks on a running SGLang server instead of an
+in-process model (:mod:`prhs_eval.server`): the server serves ``--model`` with the attention it
+was started with, and ``NAME`` only labels the results (it must equal the server's
+``sparse_attn`` argument when the server reports one). A server runs one configuration, so
+``compare --server`` is refused: start one server per selector and ``run`` against each.
+``--set``, ``--device`` and ``--dtype`` choose what the in-process model does and are refused
+with ``--server``. After the arguments, and before any work starts, the server is checked
+(reachable, healthy, serving ``--model``, context long enough); a failure there is exit code 2
+too. A server request that fails during the run is one line on stderr and exit code 1.
 """
 
 from __future__ import annotations
@@ -200,6 +210,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="keep the results in --out and run what is missing"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="run on a running SGLang server (e.g. http://127.0.0.1:30000) serving --model, "
+        "with the attention it was started with; `run` only, SELECTOR is then a label",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     legend = TABLE_LEGEND
     raw = argparse.RawDescriptionHelpFormatter
     run = sub.add_parser("run", help="evaluate one selector", epilog=legend, formatter_class=raw)
-    run.add_argument("selector", help="a registered selector name (see `prhs-eval selectors`)")
+    run.add_argument(
+        "selector",
+        help="a registered selector name (see `prhs-eval selectors`); with --server, the label "
+        "of the server's attention",
+    )
     _add_common(run)
     cmp_ = sub.add_parser(
         "compare",
@@ -368,9 +389,59 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
     new_tokens = max(TASKS[t].max_new_tokens for t in args.tasks)
     preflight.check_context(args.model, args.context_len, new_tokens)
     preflight.check_task_contexts(args.tasks, args.context_len, args.samples, args.seed)
+    if args.server is not None:
+        return  # the model runs in the server: no device or dtype here
     args.device = preflight.check_device(args.device)
     if args.dtype is None:
         args.dtype = preflight.default_dtype(args.device)
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    """``--server``: what cannot apply to a server, the URL and the label; no network yet."""
+    from prhs_eval.server import LABEL_PATTERN, check_server_url
+
+    if args.command == "compare":
+        raise UsageError(
+            "compare --server: a server runs one attention configuration, the one it was "
+            "started with (--sparse-attn NAME); start one server per selector and run "
+            "`prhs-eval run NAME --server URL --out DIR` against each"
+        )
+    if args.options:
+        raise UsageError(
+            f"--set {args.options[0]!r} with --server: selector options cannot be sent to a "
+            "running server; start the server with them (--sparse-config)"
+        )
+    for flag in ("device", "dtype"):
+        if getattr(args, flag) is not None:
+            raise UsageError(
+                f"--{flag} with --server: the model runs in the server; choose its {flag} "
+                "when starting the server"
+            )
+    if not LABEL_PATTERN.match(args.selector):
+        raise UsageError(
+            f"{args.selector!r} is not a selector label: use letters, digits and _ . + - "
+            "(with --server, SELECTOR only labels the results)"
+        )
+    check_server_url(args.server)
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    """``--server``: reach the server, check it serves ``--model`` under the label's selector
+    and with enough context; the :class:`~prhs_eval.server.ServerTarget`."""
+    from prhs_eval.preflight import PreflightError, check_context
+    from prhs_eval.server import check_label, connect
+    from prhs_eval.tasks import TASKS
+
+    target = connect(args.server, args.model)
+    check_label(args.selector, target.info)
+    limit = target.info.max_model_len
+    if limit is not None:
+        new_tokens = max(TASKS[t].max_new_tokens for t in args.tasks)
+        try:
+            check_context(args.model, args.context_len, new_tokens, known=limit)
+        except PreflightError as exc:
+            raise UsageError(f"{exc} (the server's context length, /v1/models)") from None
+    return target
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -398,17 +469,25 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
         from prhs_core.registry import UnknownSelectorError
         from prhs_eval.data import DataPackageNotFoundError
         from prhs_eval.models import ModelNotAvailableError
+        from prhs_eval.server import ServerError
 
         try:  # every argument and selector option is checked before any work starts
-            specs = _specs(args)
+            if args.server is None:
+                specs = _specs(args)
+            else:
+                _check_server_args(args)
+                specs = []
             _check_model_and_tasks(args)
             _check_budgets(specs, args.context_len)
             _check_out(args)
+            if args.server is not None:  # the network last: the arguments fail fast
+                args.server_target = _connect(args)
         except (
             UsageError,
             UnknownSelectorError,
             ModelNotAvailableError,
             DataPackageNotFoundError,
+            ServerError,
             TypeError,
             ValueError,
         ) as exc:
@@ -416,7 +495,17 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
             parser.exit(2, f"prhs-eval {args.command}: error: {message}\n")
         from prhs_eval.evaluate import evaluate
 
-        return evaluate(args, specs)
+        if args.server is None:
+            return evaluate(args, specs)
+        try:
+            return evaluate(args, specs)
+        except ServerError as exc:  # mid-run: the finished rows are in the log (--resume)
+            message = " ".join(str(exc).split())
+            sys.stderr.write(
+                f"prhs-eval {args.command}: error: {message}\n(the samples finished before are "
+                f"in {args.out}; --resume continues the run)\n"
+            )
+            return 1
     parser.print_help()
     return 0
 

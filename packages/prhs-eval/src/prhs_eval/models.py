@@ -58,6 +58,7 @@ __all__ = [
     "gguf_sha256",
     "is_installed",
     "load_model",
+    "model_directory",
     "resolve_gguf_parts",
 ]
 
@@ -695,6 +696,31 @@ def load_model(
         device=torch_device,
         revision=revision,
     )
+
+
+def model_directory(name: str = DEFAULT_MODEL, *, cache_dir: Path | None = None) -> Path:
+    """The transformers directory of an embedded model, converting it first if needed: what a
+    server such as SGLang loads (``--model-path``).
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not an embedded model (a directory or hub id is its own location).
+    ModelNotAvailableError
+        Its packages are not installed.
+    """
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(
+            f"{name!r} is not an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}); a local "
+            "directory or hub id is loaded from where it is"
+        )
+    source = EMBEDDED_MODELS[name]
+    root = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    sha256 = gguf_sha256(resolve_gguf_parts(source))
+    final = root / cache_key(source.name, sha256)
+    if not _is_complete(final, sha256):
+        load_model(name, cache_dir=root)
+    return final
 
 
 def _classify(name_or_path: str) -> Literal["embedded", "local", "hub"]:

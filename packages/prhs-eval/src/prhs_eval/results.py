@@ -8,7 +8,8 @@ and ``--resume`` skips the rows already logged. A row holds everything the run's
 computed from (the sample's result, times, and the :class:`~prhs_eval.metrics.MeterSums` of its
 measurements), so :func:`aggregate` rebuilds the :class:`RunResult` of an uninterrupted run
 exactly. Every row also records the options as used (resolved defaults), the model revision, the
-prhs git commit and the machine (:func:`environment`).
+prhs git commit and the machine (:func:`environment`; a ``--server`` run records the SGLang
+server instead: its URL, version, model path and arguments).
 
 - :func:`check_out_dir` checks, without side effects, that a run may write into a folder (the CLI
   calls it before loading the model);
@@ -50,6 +51,7 @@ __all__ = [
     "check_out_dir",
     "environment",
     "git_commit",
+    "host_environment",
     "make_row",
     "prepare_out_dir",
     "row_key",
@@ -326,8 +328,10 @@ def row_key(selector: str, options: Mapping[str, Any], task: str, index: int) ->
 
 
 RUN_FIELDS = ("model", "model_revision", "context_len", "seed", "score_tokens", "task_options",
-              "measure")  # fmt: skip
-"""Row fields that must match for a log to be resumed by a run."""
+              "measure", "server")  # fmt: skip
+"""Row fields that must match for a log to be resumed by a run. ``server`` is the SGLang
+server's URL of a ``--server`` run, ``None`` in-process (a row logged before the field existed
+reads as ``None``)."""
 
 
 def make_row(
@@ -597,6 +601,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_environment() -> dict[str, Any]:
+    """The machine a run is started from: ``prhs_commit`` (:func:`git_commit`), ``prhs_eval``
+    (version), ``platform``, ``python`` and ``cpu``."""
+    from prhs_eval import __version__
+
+    return {
+        "prhs_commit": git_commit(),
+        "prhs_eval": __version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+    }
+
+
 def environment(model: Any, *, revision: str | None = None) -> dict[str, Any]:
     """Where and with what a run runs: recorded in every row and result.
 
@@ -616,8 +634,6 @@ def environment(model: Any, *, revision: str | None = None) -> dict[str, Any]:
     """
     import torch
 
-    from prhs_eval import __version__
-
     try:
         import transformers
 
@@ -634,13 +650,9 @@ def environment(model: Any, *, revision: str | None = None) -> dict[str, Any]:
             gpu = None
     return {
         "model_revision": revision,
-        "prhs_commit": git_commit(),
-        "prhs_eval": __version__,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        **host_environment(),
         "torch": torch.__version__,
         "transformers": tf_version,
-        "cpu": _cpu_name(),
         "gpu": gpu,
         "device": str(device),
         "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,

@@ -15,6 +15,10 @@ Every finished (selector, task, sample) becomes a row of a :class:`~prhs_eval.re
 the log are not run again (``--resume``), and every :class:`~prhs_eval.results.RunResult` is
 aggregated from the rows (:func:`~prhs_eval.results.aggregate`), so a resumed run reports what
 an uninterrupted one would.
+
+:func:`run_on_server` runs the same tasks, samples and scoring on a running SGLang server
+(:mod:`prhs_eval.server`) instead of an in-process model: the server's own attention (a
+sparse one when it was started with one), greedy and streamed, one label for the results.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prhs_core.protocols import PrefillPlanner
 from prhs_core.registry import selectors
 from prhs_eval.integration import PrhsRuntime, attention_spec, enable
-from prhs_eval.metrics import SelectionMeter
+from prhs_eval.metrics import MeterSums, SelectionMeter
 from prhs_eval.models import LoadedModel
 from prhs_eval.results import (
     ResumeMismatchError,
@@ -46,7 +50,10 @@ from prhs_eval.results import (
 )
 from prhs_eval.tasks import TASKS, Sample, make_samples, score
 
-__all__ = ["SelectorSpec", "compare", "parse_option_value"]
+if TYPE_CHECKING:
+    from prhs_eval.server import ServerSession
+
+__all__ = ["SelectorSpec", "compare", "parse_option_value", "run_on_server"]
 
 ProgressFn = Callable[[str], None]
 
@@ -241,16 +248,8 @@ def compare(
     """
     if not specs:
         raise ValueError("compare needs at least one selector")
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
-    if score_tokens < 1:
-        raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
+    options = _check_tasks(tasks, score_tokens, task_options)
     spec_model = attention_spec(loaded.model.config)
-    options = dict(task_options or {})
-    unused = set(options) - {p for t in tasks for p in _task_parameters(t)}
-    if unused:
-        raise ValueError(f"no task among {list(tasks)} takes the option(s) {sorted(unused)}")
     revision = getattr(loaded, "revision", None)
     run = {
         "model": loaded.name,
@@ -260,6 +259,7 @@ def compare(
         "score_tokens": score_tokens,
         "task_options": options,
         "measure": measure,
+        "server": None,
     }
     if log is None:
         log = SampleLog(None)
@@ -290,6 +290,22 @@ def compare(
     return results
 
 
+def _check_tasks(
+    tasks: Sequence[str], score_tokens: int, task_options: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Check the task names, ``score_tokens`` and that every task option has a taker."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
+    if score_tokens < 1:
+        raise ValueError(f"score_tokens must be >= 1, got {score_tokens}")
+    options = dict(task_options or {})
+    unused = set(options) - {p for t in tasks for p in _task_parameters(t)}
+    if unused:
+        raise ValueError(f"no task among {list(tasks)} takes the option(s) {sorted(unused)}")
+    return options
+
+
 @dataclass
 class _RunContext:
     session: _Session
@@ -318,20 +334,8 @@ def _run_task(
         keys = [
             row_key(s.name, o, task, sample.index) for s, o in zip(specs, resolved, strict=True)
         ]
-        todo = []
-        for i, key in enumerate(keys):
-            row = ctx.log.get(key)
-            if row is None:
-                todo.append(i)
-                continue
-            if row.get("prompt_sha256") != digest:
-                raise ResumeMismatchError(
-                    f"the logged {task} sample #{sample.index} had another prompt than this "
-                    "run's (task data changed?); pass --overwrite or choose another --out"
-                )
-            rows[i].append(row)
-            if ctx.progress is not None:
-                ctx.progress(f"{task} #{sample.index} {specs[i].name} (logged)")
+        names = [s.name for s in specs]
+        todo = _take_logged(ctx.log, keys, names, rows, sample, digest, ctx.progress)
         if not todo:
             continue
         ids = session.encode(sample.prompt)
@@ -400,3 +404,148 @@ def _run_task(
             if ctx.progress is not None:
                 ctx.progress(f"{task} #{sample.index} {spec.name}")
     return [aggregate(r, kind=kind) for r in rows if r]
+
+
+def _take_logged(
+    log: SampleLog,
+    keys: Sequence[str],
+    names: Sequence[str],
+    rows: list[list[dict[str, Any]]],
+    sample: Sample,
+    digest: str,
+    progress: ProgressFn | None,
+) -> list[int]:
+    """Append the rows ``log`` already holds for ``sample`` to ``rows``; the indices of
+    ``keys`` still to run."""
+    todo = []
+    for i, key in enumerate(keys):
+        row = log.get(key)
+        if row is None:
+            todo.append(i)
+            continue
+        if row.get("prompt_sha256") != digest:
+            raise ResumeMismatchError(
+                f"the logged {sample.task} sample #{sample.index} had another prompt than this "
+                "run's (task data changed?); pass --overwrite or choose another --out"
+            )
+        rows[i].append(row)
+        if progress is not None:
+            progress(f"{sample.task} #{sample.index} {names[i]} (logged)")
+    return todo
+
+
+def run_on_server(
+    session: ServerSession,
+    label: str,
+    tasks: Sequence[str],
+    *,
+    context_len: int,
+    num_samples: int,
+    seed: int = 0,
+    score_tokens: int = 64,
+    task_options: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+    log: SampleLog | None = None,
+) -> list[RunResult]:
+    """Run the tasks on an SGLang server (:class:`~prhs_eval.server.ServerSession`): the same
+    samples, prompts and scoring as :func:`compare`, the model and its attention in the server.
+
+    The server runs one attention configuration, the one it was started with; ``label`` names
+    it in the results (the ``selector`` of every row; its ``options`` are empty, the server's
+    sparse-attention arguments are in the environment). Generation is greedy and streamed;
+    perplexity uses the prompt logprobs of one request per sample (the server's prefill of the
+    scored tokens, where :func:`compare` decodes them step by step). Nothing is measured
+    against dense attention: the selection metrics of the rows are empty (``nan``).
+
+    Parameters
+    ----------
+    session:
+        The server and the tokenizer of its model.
+    label:
+        The selector name recorded.
+    tasks, context_len, num_samples, seed, score_tokens, task_options, progress, log:
+        As for :func:`compare`.
+
+    Raises
+    ------
+    ResumeMismatchError
+        ``log`` holds rows of a run with other settings (another server URL among them).
+    prhs_eval.server.ServerError
+        The server failed a request; the rows finished before are in ``log``.
+
+    Returns
+    -------
+    list of RunResult
+        One per task.
+    """
+    options = _check_tasks(tasks, score_tokens, task_options)
+    run = {
+        "model": session.name,
+        "model_revision": session.target.revision,
+        "context_len": context_len,
+        "seed": seed,
+        "score_tokens": score_tokens,
+        "task_options": options,
+        "measure": False,
+        "server": session.info.url,
+    }
+    if log is None:
+        log = SampleLog(None)
+    log.check_run(run)
+    env = session.environment()
+    results: list[RunResult] = []
+    for task in tasks:
+        own = {k: v for k, v in options.items() if k in _task_parameters(task)}
+        samples = make_samples(
+            task,
+            session.tokenizer,
+            context_len=context_len,
+            num_samples=num_samples,
+            seed=seed,
+            **own,
+        )
+        rows: list[list[dict[str, Any]]] = [[]]
+        for sample in samples:
+            digest = _prompt_digest(sample.prompt)
+            key = row_key(label, {}, task, sample.index)
+            if not _take_logged(log, [key], [label], rows, sample, digest, progress):
+                continue
+            ids = session.encode(sample.prompt)
+            if TASKS[task].kind == "perplexity":
+                n = min(score_tokens, len(ids) - 1)
+                nll, seconds = session.nll(ids[:-n], ids[-n:])
+                result = SampleResult(
+                    task, sample.index, sample.context_tokens, "", (), float("nan"), nll, n
+                )
+                prefill, decode, steps = seconds, 0.0, 0
+            else:
+                gen = session.greedy(ids, sample.max_new_tokens)
+                result = SampleResult(
+                    task,
+                    sample.index,
+                    sample.context_tokens,
+                    gen.text,
+                    sample.answers,
+                    score(sample, gen.text),
+                )
+                prefill, decode, steps = gen.prefill_seconds, gen.decode_seconds, gen.decode_steps
+            row = make_row(
+                run=run,
+                selector=label,
+                options={},
+                sample=result,
+                prompt_sha256=digest,
+                prefill_seconds=prefill,
+                prefill_shared=False,
+                shared_prefill_seconds=0.0,
+                decode_seconds=decode,
+                decode_tokens=steps,
+                meter=MeterSums(),
+                environment=env,
+            )
+            log.append(row)
+            rows[0].append(row)
+            if progress is not None:
+                progress(f"{task} #{sample.index} {label}")
+        results.append(aggregate(rows[0], kind=TASKS[task].kind))
+    return results
