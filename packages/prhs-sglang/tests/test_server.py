@@ -1,0 +1,253 @@
+"""The plugin inside a real SGLang server (CPU, SmolLM2): parity, retrieval, isolation, memory.
+
+Each server runs in its own process group (a scheduler crash would kill its parent)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+
+
+def _prompts(tokenizer: Any, passkey: Any) -> list[list[int]]:
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return [
+        tokenizer(chat, add_special_tokens=False)["input_ids"],
+        passkey("48213", 1000, 1),
+        passkey("90517", 300, 2),
+    ]
+
+
+def _outputs(server: Any, prompts: list[list[int]], concurrent: bool) -> list[list[int]]:
+    def one(ids: list[int]) -> list[int]:
+        return server.generate(ids, NEW_TOKENS)["output_ids"]
+
+    if not concurrent:
+        return [one(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_full_budget_greedy_equals_torch_native(model_dir, tokenizer, passkey, launch, tmp_path):
+    """A budget covering every position selects everything: the same tokens as SGLang's dense
+    torch_native backend, alone and batched (the 1000-token prompt prefills in two chunks)."""
+    prompts = _prompts(tokenizer, passkey)
+    chunks = ("--chunked-prefill-size", "512")
+    with launch(
+        model_dir, "--attention-backend", "torch_native", *chunks, log_dir=tmp_path
+    ) as dense:
+        expected = _outputs(dense, prompts, concurrent=False)
+    config = json.dumps({"budget": 2048, "use_psaw": False, "log_interval": 0})
+    with launch(
+        model_dir, "--sparse-attn", "prhs", "--sparse-config", config, *chunks, log_dir=tmp_path
+    ) as sparse:
+        assert _outputs(sparse, prompts, concurrent=False) == expected
+        assert _outputs(sparse, prompts, concurrent=True) == expected
+        report = sparse.prhs()
+        assert report["selector"] == "prhs"
+        assert report["decode_steps"] > 0
+        # Every selected position is every cached one.
+        assert report["avg_selected"] == pytest.approx(report["avg_cached"], rel=0.05)
+    assert "decode CUDA graphs disabled" in sparse.log_text()
+
+
+@pytest.fixture(scope="module")
+def small(model_dir, launch, tmp_path_factory):
+    """PrHS (PSAW prefill, CIS decode) with a 64-position budget."""
+    config = json.dumps({"budget": 64, "log_interval": 4})
+    log_dir = tmp_path_factory.mktemp("small")
+    with launch(
+        model_dir,
+        "--sparse-attn",
+        "prhs",
+        "--sparse-config",
+        config,
+        "--max-total-tokens",
+        "24576",
+        "--max-running-requests",
+        "32",
+        "--chunked-prefill-size",
+        "512",  # the 2000-token prompt prefills in 4 chunks, PSAW windows across them
+        log_dir=log_dir,
+    ) as server:
+        yield server
+
+
+def _key_of(text: str) -> str:
+    return "".join(ch for ch in text if ch.isdigit())[:5]
+
+
+def test_small_budget_finds_passkey_and_reports_statistics(small, passkey):
+    ids = passkey("71432", 2000, 3)
+    out = small.generate(ids, NEW_TOKENS)
+    assert _key_of(out["text"]) == "71432", out["text"]
+    report = small.prhs()
+    assert report["decode_steps"] >= NEW_TOKENS - 1
+    assert report["retrieval_ratio"] is not None and 0.0 <= report["retrieval_ratio"] <= 100.0
+    # 64 positions (+ sink and local windows) of ~2000 cached ones.
+    assert report["avg_selected"] < report["avg_cached"] / 4
+    log = small.log_text()
+    assert "prhs-sglang: prhs rank 0:" in log and "Avg KV =" in log
+    assert "PSAW windowed prefill in layers" in log
+
+
+def _wait_for_idle(server: Any, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = server.prhs()
+        if report["live_states"] == 0 or time.monotonic() > deadline:
+            return report
+        time.sleep(0.5)
+
+
+def _stream_then_abort(server: Any, ids: list[int], rid: str) -> None:
+    """Start a streamed request, read its first chunk, then abort it by id."""
+    payload = {
+        "input_ids": ids,
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 64},
+    }
+    req = urllib.request.Request(
+        server.url + "/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                server.post("/abort_request", {"rid": rid})
+                break
+
+
+def test_concurrent_mixed_lengths_with_aborts_are_isolated(small, tokenizer, passkey):
+    """32 requests of mixed lengths, each with its own pass key, 6 aborted mid-stream: each
+    finished output equals the request run alone, and every selector state is released."""
+    lengths = [80 + (i * 97) % 620 for i in range(32)]
+    keys = [f"{(13579 + 7919 * i) % 90000 + 10000}" for i in range(32)]
+    prompts = [passkey(k, n, i) for i, (k, n) in enumerate(zip(keys, lengths, strict=True))]
+    aborted = set(range(0, 32, 6))
+    barrier = threading.Barrier(32)
+
+    def job(i: int) -> list[int] | None:
+        barrier.wait()
+        if i in aborted:
+            _stream_then_abort(small, prompts[i], f"abort-{i}-{time.time_ns()}")
+            return None
+        return small.generate(prompts[i], NEW_TOKENS)["output_ids"]
+
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(job, range(32)))
+    report = _wait_for_idle(small)
+    assert report["live_states"] == 0
+    for i in range(32):
+        if i in aborted:
+            continue
+        alone = small.generate(prompts[i], NEW_TOKENS)["output_ids"]
+        assert together[i] == alone, f"request {i} ({lengths[i]} tokens) differs batched vs alone"
+    found = sum(
+        _key_of(tokenizer.decode(together[i])) == keys[i] for i in range(32) if i not in aborted
+    )
+    assert found >= 20, f"only {found} of {32 - len(aborted)} pass keys found"
+    assert _wait_for_idle(small)["live_states"] == 0
+
+
+def _rss_kib(pid: int) -> int:
+    total = 0
+    for p in [pid, *_children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return out
+    for k in kids:
+        out += [int(k), *_children(int(k))]
+    return out
+
+
+def test_memory_is_flat_over_200_requests(small, passkey):
+    def run(n: int, offset: int) -> None:
+        def one(i: int) -> None:
+            ids = passkey(f"{10000 + offset + i}", 40 + (i % 5) * 20, i)
+            small.generate(ids, 4)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(n)))
+
+    run(32, 0)  # warm every batch bucket
+    before = _wait_for_idle(small)
+    rss_before = _rss_kib(small.proc.pid)
+    run(200, 1000)
+    after = _wait_for_idle(small)
+    rss_after = _rss_kib(small.proc.pid)
+    assert after["live_states"] == 0
+    assert after["state_bytes"] == before["state_bytes"]
+    assert after["workspace_bytes"] <= before["workspace_bytes"] * 2
+    assert len(after["plan_buckets"]) <= 6  # powers of two up to --max-running-requests 32
+    assert rss_after - rss_before < 256 * 1024, (rss_before, rss_after)
+
+
+def test_prhs_eval_runs_its_tasks_against_the_server(small, model_dir, tmp_path):
+    """``prhs-eval run NAME --server URL``: the accuracy tasks through SGLang's endpoint, the
+    selector checked against the one the plugin reports."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "prhs_eval",
+        "run",
+        "prhs",
+        "--server",
+        small.url,
+        "--model",
+        str(model_dir),
+        "--tasks",
+        "passkey",
+        "--context-len",
+        "1024",
+        "--samples",
+        "2",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows and rows[0]["selector"] == "prhs"
+    assert rows[0]["environment"]["server"]["url"] == small.url
+    wrong = subprocess.run(
+        [*cmd[:4], "cis", *cmd[5:-3], "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert wrong.returncode == 2
+    assert "runs sparse attention 'prhs'" in wrong.stderr + wrong.stdout
