@@ -53,6 +53,7 @@ def launch_command(model_dir: str | Path, *args: str, port: int | None = None) -
         "--mem-fraction-static",
         "0.5",
         "--skip-server-warmup",
+        "--sleep-on-idle",  # an idle scheduler would otherwise spin a whole core
         *args,
     ]
 
@@ -96,8 +97,8 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-@contextlib.contextmanager
-def running_server(model_dir: str | Path, *args: str, log_dir: Path) -> Iterator[Server]:
+def start_server(model_dir: str | Path, *args: str, log_dir: Path) -> Server:
+    """Start a server in its own process group (returns at once; see :func:`wait_healthy`)."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     with open(log, "wb") as fh:
@@ -108,33 +109,102 @@ def running_server(model_dir: str | Path, *args: str, log_dir: Path) -> Iterator
             env=clean_env(),
             start_new_session=True,
         )
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
-            try:
-                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log_text()[-4000:]}"
-                )
-            time.sleep(2)
-        yield server
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> Server:
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.proc.returncode}:\n{server.log_text()[-6000:]}"
+            )
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"server not healthy after {timeout} s:\n{server.log_text()[-4000:]}"
+            )
+        time.sleep(2)
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+
+
+CHUNKS = ("--chunked-prefill-size", "512")
+SERVERS: dict[str, tuple[str, ...]] = {
+    # SGLang's dense backend: the reference of the parity test.
+    "dense": ("--attention-backend", "torch_native", *CHUNKS, "--max-total-tokens", "8192"),
+    # A budget covering every position (sink 4 + local 32 + 1024 >= the 1000-token prompt and
+    # its new tokens), prefill dense (no PSAW): must reproduce "dense" token for token.
+    "full": (
+        "--sparse-attn",
+        "prhs",
+        "--sparse-config",
+        json.dumps({"budget": 1024, "use_psaw": False, "log_interval": 0}),
+        *CHUNKS,
+        "--max-total-tokens",
+        "8192",
+    ),
+    # PrHS as shipped (PSAW prefill, CIS decode) with a 64-position budget; a 2000-token prompt
+    # prefills in 4 chunks.
+    "small": (
+        "--sparse-attn",
+        "prhs",
+        "--sparse-config",
+        json.dumps({"budget": 64, "log_interval": 4}),
+        *CHUNKS,
+        "--max-total-tokens",
+        "24576",
+        "--max-running-requests",
+        "32",
+    ),
+}
+
+
+class ServerPool:
+    """The test servers, all started at once (starting one takes a minute or more, mostly
+    imports; idle servers sleep), each waited for when a test first needs it."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self._servers = {
+            name: start_server(model_dir, *args, log_dir=log_dir) for name, args in SERVERS.items()
+        }
+        self._ready: set[str] = set()
+
+    def __getitem__(self, name: str) -> Server:
+        server = self._servers[name]
+        if name not in self._ready:
+            wait_healthy(server)
+            self._ready.add(name)
+        return server
+
+    def stop(self, *names: str) -> None:
+        for name in names or tuple(self._servers):
+            stop_server(self._servers[name])
+
+
+@pytest.fixture(scope="session")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    pool = ServerPool(model_dir, tmp_path_factory.mktemp("servers"))
+    try:
+        yield pool
+    finally:
+        pool.stop()
 
 
 @pytest.fixture(scope="session")
@@ -150,13 +220,6 @@ def tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="session")
-def launch() -> Any:
-    """``running_server(model_dir, *args, log_dir=...)``: a context manager yielding a
-    :class:`Server` (tests import nothing from this file: pytest loads it under its own name)."""
-    return running_server
 
 
 @pytest.fixture(scope="session")

@@ -146,6 +146,9 @@ def test_engine_args(tmp_path, monkeypatch):
         "mem_fraction_static": 0.5,
         "attention_backend": "prhs",
         "disable_decode_cuda_graph": True,
+        "cuda_graph_backend_decode": "disabled",
+        "disable_prefill_cuda_graph": True,
+        "cuda_graph_backend_prefill": "disabled",
     }
     with pytest.raises(SparseConfigError, match="attention_backend='triton' conflicts"):
         engine_args("cis", attention_backend="triton")

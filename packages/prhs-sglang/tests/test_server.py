@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 def _prompts(tokenizer: Any, passkey: Any) -> list[list[int]]:
@@ -42,19 +42,13 @@ def _outputs(server: Any, prompts: list[list[int]], concurrent: bool) -> list[li
         return list(pool.map(one, prompts))
 
 
-def test_full_budget_greedy_equals_torch_native(model_dir, tokenizer, passkey, launch, tmp_path):
+def test_full_budget_greedy_equals_torch_native(servers, tokenizer, passkey):
     """A budget covering every position selects everything: the same tokens as SGLang's dense
     torch_native backend, alone and batched (the 1000-token prompt prefills in two chunks)."""
     prompts = _prompts(tokenizer, passkey)
-    chunks = ("--chunked-prefill-size", "512")
-    with launch(
-        model_dir, "--attention-backend", "torch_native", *chunks, log_dir=tmp_path
-    ) as dense:
-        expected = _outputs(dense, prompts, concurrent=False)
-    config = json.dumps({"budget": 2048, "use_psaw": False, "log_interval": 0})
-    with launch(
-        model_dir, "--sparse-attn", "prhs", "--sparse-config", config, *chunks, log_dir=tmp_path
-    ) as sparse:
+    try:
+        expected = _outputs(servers["dense"], prompts, concurrent=False)
+        sparse = servers["full"]
         assert _outputs(sparse, prompts, concurrent=False) == expected
         assert _outputs(sparse, prompts, concurrent=True) == expected
         report = sparse.prhs()
@@ -62,29 +56,15 @@ def test_full_budget_greedy_equals_torch_native(model_dir, tokenizer, passkey, l
         assert report["decode_steps"] > 0
         # Every selected position is every cached one.
         assert report["avg_selected"] == pytest.approx(report["avg_cached"], rel=0.05)
-    assert "decode CUDA graphs disabled" in sparse.log_text()
+        assert "CUDA graphs disabled" in sparse.log_text()
+    finally:
+        servers.stop("dense", "full")
 
 
 @pytest.fixture(scope="module")
-def small(model_dir, launch, tmp_path_factory):
-    """PrHS (PSAW prefill, CIS decode) with a 64-position budget."""
-    config = json.dumps({"budget": 64, "log_interval": 4})
-    log_dir = tmp_path_factory.mktemp("small")
-    with launch(
-        model_dir,
-        "--sparse-attn",
-        "prhs",
-        "--sparse-config",
-        config,
-        "--max-total-tokens",
-        "24576",
-        "--max-running-requests",
-        "32",
-        "--chunked-prefill-size",
-        "512",  # the 2000-token prompt prefills in 4 chunks, PSAW windows across them
-        log_dir=log_dir,
-    ) as server:
-        yield server
+def small(servers):
+    """PrHS (PSAW prefill, CIS decode) with a 64-position budget (conftest.SERVERS)."""
+    return servers["small"]
 
 
 def _key_of(text: str) -> str:
@@ -137,7 +117,7 @@ def _stream_then_abort(server: Any, ids: list[int], rid: str) -> None:
 def test_concurrent_mixed_lengths_with_aborts_are_isolated(small, tokenizer, passkey):
     """32 requests of mixed lengths, each with its own pass key, 6 aborted mid-stream: each
     finished output equals the request run alone, and every selector state is released."""
-    lengths = [80 + (i * 97) % 620 for i in range(32)]
+    lengths = [60 + (i * 97) % 400 for i in range(32)]
     keys = [f"{(13579 + 7919 * i) % 90000 + 10000}" for i in range(32)]
     prompts = [passkey(k, n, i) for i, (k, n) in enumerate(zip(keys, lengths, strict=True))]
     aborted = set(range(0, 32, 6))
@@ -162,7 +142,8 @@ def test_concurrent_mixed_lengths_with_aborts_are_isolated(small, tokenizer, pas
     found = sum(
         _key_of(tokenizer.decode(together[i])) == keys[i] for i in range(32) if i not in aborted
     )
-    assert found >= 20, f"only {found} of {32 - len(aborted)} pass keys found"
+    # A sanity check that the outputs mean something (budget 64: not every key is kept).
+    assert found >= (32 - len(aborted)) // 2, f"only {found} of {32 - len(aborted)} pass keys found"
     assert _wait_for_idle(small)["live_states"] == 0
 
 
@@ -192,13 +173,13 @@ def _children(pid: int) -> list[int]:
 def test_memory_is_flat_over_200_requests(small, passkey):
     def run(n: int, offset: int) -> None:
         def one(i: int) -> None:
-            ids = passkey(f"{10000 + offset + i}", 40 + (i % 5) * 20, i)
-            small.generate(ids, 4)
+            ids = passkey(f"{10000 + offset + i}", 30 + (i % 4) * 10, i)
+            small.generate(ids, 2)
 
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(32) as pool:  # --max-running-requests 32
             list(pool.map(one, range(n)))
 
-    run(32, 0)  # warm every batch bucket
+    run(32, 0)  # warm the batch buckets
     before = _wait_for_idle(small)
     rss_before = _rss_kib(small.proc.pid)
     run(200, 1000)

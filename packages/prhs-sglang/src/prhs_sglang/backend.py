@@ -517,7 +517,8 @@ class PrhsAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise RuntimeError(
             "prhs-sglang runs decode eagerly: start SGLang with --disable-decode-cuda-graph "
-            "(the plugin's --sparse-attn does this for you)"
+            "--disable-prefill-cuda-graph (the plugin's --sparse-attn and engine_args() do this "
+            "for you)"
         )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

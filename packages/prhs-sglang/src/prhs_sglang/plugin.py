@@ -45,6 +45,14 @@ _INTERNAL_STATE = (
 
 _loaded = False
 
+# Server arguments that keep SGLang from capturing the prhs backend in CUDA graphs.
+_EAGER: dict[str, Any] = {
+    "disable_decode_cuda_graph": True,
+    "cuda_graph_backend_decode": "disabled",
+    "disable_prefill_cuda_graph": True,
+    "cuda_graph_backend_prefill": "disabled",
+}
+
 
 def _create_backend(runner: Any) -> Any:
     from prhs_sglang.backend import PrhsAttnBackend
@@ -126,13 +134,12 @@ def _from_cli_args(original: Any, cls: Any, args: argparse.Namespace) -> Any:
                 f"error: --{phase}-attention-backend {getattr(args, attr)} conflicts with "
                 "--sparse-attn: prhs serves both phases (set dense_backend in --sparse-config)"
             )
-    if not getattr(args, "disable_decode_cuda_graph", False):
-        logger.info(
-            "prhs-sglang: decode CUDA graphs disabled: the prhs backend runs decode eagerly "
-            "(its step is graph-safe, but capture through SGLang's graph runner is not wired yet)"
-        )
-    args.disable_decode_cuda_graph = True
-    args.cuda_graph_backend_decode = "disabled"
+    logger.info(
+        "prhs-sglang: CUDA graphs disabled: the prhs backend runs decode and prefill eagerly (its "
+        "decode step is graph-safe, but capture through SGLang's graph runners is not wired yet)"
+    )
+    for key, value in _EAGER.items():
+        setattr(args, key, value)
     return original(cls, args)
 
 
@@ -144,7 +151,7 @@ def engine_args(
     """Keyword arguments for ``sglang.Engine`` that serve through the prhs selector
     ``sparse_attn`` with options ``sparse_config``: checks them (and ``model_path``), exports
     them to the engine's scheduler processes and returns ``server_args`` with the prhs attention
-    backend and eager decode::
+    backend and no CUDA graphs::
 
         engine = sglang.Engine(**prhs_sglang.engine_args("prhs", {"budget": 256},
                                                          model_path="..."))
@@ -162,11 +169,7 @@ def engine_args(
         trust_remote_code=bool(server_args.get("trust_remote_code", False)),
         radix_cache=not server_args.get("disable_radix_cache", False),
     )
-    return {
-        **server_args,
-        "attention_backend": BACKEND_NAME,
-        "disable_decode_cuda_graph": True,
-    }
+    return {**server_args, "attention_backend": BACKEND_NAME, **_EAGER}
 
 
 def _release_rows(result: Any, pool: Any, indices: Any) -> None:
