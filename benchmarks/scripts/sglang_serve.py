@@ -73,6 +73,7 @@ def _server(model: str, device: str, extra: list[str], log: Path) -> Any:
         "--port",
         str(port),
         "--skip-server-warmup",
+        "--sleep-on-idle",  # an idle scheduler would spin a core the clients need
         *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRHS_SGLANG_")}
