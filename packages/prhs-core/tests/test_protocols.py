@@ -140,6 +140,18 @@ def test_attention_mask_matches_a_python_double_loop(n: int, f: float, n_sink: i
     assert bool(mask.diagonal().all())  # every row sees itself
 
 
+@pytest.mark.parametrize(
+    ("n", "f", "n_sink"), MASK_CASES, ids=[f"L{n}-f{f:.3g}-sink{s}" for n, f, s in MASK_CASES]
+)
+def test_attention_mask_of_a_chunk_is_the_full_masks_tail(n: int, f: float, n_sink: int) -> None:
+    plan = PrefillLayerPlan(2, window_fraction=f, n_sink=n_sink)
+    full = plan.attention_mask(n)
+    for first in {0, n // 3, n}:
+        assert torch.equal(plan.attention_mask(n, first_row=first), full[first:])
+    with pytest.raises(ValueError, match="first_row"):
+        plan.attention_mask(n, first_row=n + 1)
+
+
 def test_attention_mask_by_hand() -> None:
     # f = 0.5, one sink: row i sees [floor(i/2), i] and position 0.
     plan = PrefillLayerPlan(0, window_fraction=0.5, n_sink=1)

@@ -208,16 +208,20 @@ class PrefillLayerPlan:
         return math.floor(self.frozen_fraction * prompt_len)
 
     def attention_mask(
-        self, prompt_len: int, device: torch.device | str | None = None
+        self, prompt_len: int, device: torch.device | str | None = None, first_row: int = 0
     ) -> torch.Tensor:
-        """``[L, L]`` bool, ``True`` where row ``i`` may attend to column ``j`` (the reference a
-        prefill kernel is tested against)."""
+        """``[L − first_row, L]`` bool, ``True`` where row ``i`` (``first_row <= i < L``) may
+        attend to column ``j`` (the reference a prefill kernel is tested against; ``first_row``
+        gives the rows of a chunk whose earlier rows are cached)."""
         n = check_int("prompt_len", prompt_len, minimum=0)
-        i = torch.arange(n, device=device).view(-1, 1)
+        check_int("first_row", first_row, minimum=0)
+        if first_row > n:
+            raise ValueError(f"first_row ({first_row}) must be <= prompt_len ({n})")
+        i = torch.arange(first_row, n, device=device).view(-1, 1)
         j = torch.arange(n, device=device).view(1, -1)
         mask = j <= i
         if self.window_fraction > 0.0:
-            lo = self.window_start(n, device).view(-1, 1)
+            lo = self.window_start(n, device)[first_row:].view(-1, 1)
             mask = mask & ((j >= lo) | (j < self.n_sink))
         return mask
 

@@ -108,12 +108,11 @@ class H2O(BaseSelector):
     name = "h2o"
     config_type = H2OConfig
     config: H2OConfig
+    state_per_location = True  # accumulated attention of the request holding the slot
 
     def selection_width(self) -> int:
         ws, wl = self.window_widths()
         return ws + wl + self.config.n_recent + self.config.n_heavy
-
-    state_per_location = True  # accumulated attention of the request holding the slot
 
     def uses_side_cache(self) -> bool:
         return True

@@ -383,10 +383,7 @@ class PrhsAttnBackend(AttentionBackend):
             kk = k_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vv = v_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)
             qq = qv[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            t = torch.arange(p, total, device=qv.device).view(-1, 1)
-            j = torch.arange(total, device=qv.device).view(1, -1)
-            lo = plan.window_start(total, qv.device)[p:total].view(-1, 1)
-            mask = (j <= t) & ((j >= lo) | (j < plan.n_sink))
+            mask = plan.attention_mask(total, qv.device, first_row=p)  # [n, total]
             o = scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=mask, scale=layer.scaling, enable_gqa=hq != kk.shape[1]
             )
@@ -418,10 +415,13 @@ class PrhsAttnBackend(AttentionBackend):
         b = step.bucket
         hq, d = self.spec.num_q_heads, self.spec.head_dim
         qv = q.reshape(n, hq, d)
-        query = b.query
-        if query.dtype != qv.dtype:
-            query = b.query = query.to(qv.dtype)
-        query[:n].copy_(qv)
+        if n == b.query.shape[0]:  # a full bucket: no padded row to carry
+            query = qv
+        else:
+            if b.query.dtype != qv.dtype:
+                b.query = b.query.to(qv.dtype)
+            query = b.query
+            query[:n].copy_(qv)
         kv = PagedKV(
             k_pool=self.token_to_kv_pool.get_key_buffer(lid),
             v_pool=self.token_to_kv_pool.get_value_buffer(lid),
@@ -520,9 +520,6 @@ class PrhsAttnBackend(AttentionBackend):
             "--disable-prefill-cuda-graph (the plugin's --sparse-attn and engine_args() do this "
             "for you)"
         )
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 1
 
     def support_triton(self) -> bool:
         return self.dense.support_triton()
