@@ -40,7 +40,7 @@ from prhs_core.selection import Selection
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import union_indices, window_indices, window_widths
-from prhs_kernels.score import check_query, score_keys
+from prhs_kernels.score import check_query, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
 __all__ = ["ROW_STRIDE_ALIGN", "BaseSelector", "group_probs", "nonfinite_rows"]
@@ -351,7 +351,7 @@ class BaseSelector:
 
     def exact_probs(self, plan: DecodePlan, query: torch.Tensor, kv: KVLayout) -> torch.Tensor:
         """``[B, Hkv, T]`` float32 group-mean probabilities of every position (a retrieval)."""
-        return group_probs(score_keys(query, kv, plan.scaling))
+        return retrieval_probs(query, kv, plan.scaling)
 
     def topk_blocks(
         self, kv: KVLayout, probs: torch.Tensor, k_blocks: int, bad: torch.Tensor

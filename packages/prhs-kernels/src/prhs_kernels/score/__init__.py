@@ -1,20 +1,28 @@
 """Exact scoring of every cached key (what a retrieval reads): K only, in the cache dtype, with
 float32 (or float64) accumulation, static shapes ``[B, Hkv, g, kv.max_len]``.
 
-Paths: the torch reference everywhere (keys converted a chunk at a time); on CUDA, a contiguous
-half-precision cache is scored by one ``bmm`` with float32 output (:mod:`.cuda`).
+:func:`score_keys` paths: the torch reference everywhere (keys converted a chunk at a time); on
+CUDA, a contiguous half-precision cache is scored by one ``bmm`` with float32 output
+(:mod:`.cuda`).
+
+:func:`retrieval_probs` is what a retrieval ranks positions by: the group-mean attention
+probability of every position, for the rows that retrieve only. Its Triton path (:mod:`.triton`)
+reads no key of a row that does not retrieve; the torch path scores every row and zeroes the
+others. :func:`retrieval_path` names the path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prhs_core.checks import check_device, check_float_tensor, shape_str
+from prhs_core.checks import check_bool_mask, check_device, check_float_tensor, shape_str
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_kernels.paths import announce, kernel_path
 from prhs_kernels.score.cuda import score_keys_bmm, supports_bmm
 from prhs_kernels.score.reference import (
     chunk_len,
     max_key_norm_reference,
+    retrieval_probs_reference,
     score_keys_reference,
 )
 
@@ -23,6 +31,9 @@ __all__ = [
     "chunk_len",
     "max_key_norm",
     "max_key_norm_reference",
+    "retrieval_path",
+    "retrieval_probs",
+    "retrieval_probs_reference",
     "score_keys",
     "score_keys_bmm",
     "score_keys_reference",
@@ -74,3 +85,49 @@ def max_key_norm(kv: KVLayout) -> torch.Tensor:
     if not isinstance(kv, ContiguousKV | PagedKV):
         raise TypeError(f"kv must be a ContiguousKV or a PagedKV, got {type(kv).__name__}")
     return max_key_norm_reference(kv)
+
+
+def retrieval_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The path :func:`retrieval_probs` takes: ``"triton"``, ``"triton-interpreter"`` or
+    ``"torch"`` (which scores through :func:`score_keys`, so by ``bmm`` on CUDA)."""
+    return kernel_path(device, dtype)
+
+
+def retrieval_probs(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B, Hkv, T]`` float32 group-mean attention probability of every position
+    ``t < T = kv.max_len`` (0 past each sequence's end) for ``query [B, Hq, D]``: the mean over
+    the ``g`` query heads of a KV head of their softmax over the whole cache.
+
+    ``active [B, Hkv]`` bool: the rows to score (``None``: all); the other rows are set to 0 and,
+    on the Triton path, none of their keys is read. ``out`` is written in place when given.
+    """
+    check_query(query, kv)
+    b, h, t = kv.batch_size, kv.num_kv_heads, kv.max_len
+    if active is not None:
+        check_bool_mask("active", active, (b, h))
+        check_device(("query", "active"), (query, active))
+    if out is not None:
+        if out.dtype != torch.float32 or tuple(out.shape) != (b, h, t):
+            raise ValueError(
+                f"out must be a float32 [B={b}, Hkv={h}, T={t}] tensor, got {out.dtype} "
+                f"{shape_str(out)}"
+            )
+        check_device(("query", "out"), (query, out))
+    path = retrieval_path(query.device, kv.dtype)
+    announce("retrieval_probs", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.score.triton import retrieval_probs_triton
+
+        return retrieval_probs_triton(query, kv, scaling, active, out)
+    probs = retrieval_probs_reference(score_keys(query, kv, scaling), active)
+    if out is not None:
+        out.copy_(probs)
+        return out
+    return probs

@@ -12,7 +12,12 @@ import torch
 from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_kernels.kv.reference import gather_kv_reference
 
-__all__ = ["chunk_len", "max_key_norm_reference", "score_keys_reference"]
+__all__ = [
+    "chunk_len",
+    "max_key_norm_reference",
+    "retrieval_probs_reference",
+    "score_keys_reference",
+]
 
 # Elements of keys one chunk may gather: bounds the scratch memory of a score to a few MB.
 _CHUNK_ELEMENTS = 1 << 24
@@ -67,3 +72,12 @@ def max_key_norm_reference(kv: KVLayout) -> torch.Tensor:
         k = _key_chunk(kv, lo, min(lo + step, t)).float()
         out = torch.maximum(out, k.norm(dim=-1).amax(-1))
     return out
+
+
+def retrieval_probs_reference(logits: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+    """``[B, Hkv, T]``: the group-mean softmax of ``logits [B, Hkv, g, T]`` (float32), 0 on the
+    rows where ``active [B, Hkv]`` is ``False``."""
+    probs = torch.softmax(logits.float(), dim=-1).mean(2)
+    if active is None:
+        return probs
+    return probs.masked_fill(~active.unsqueeze(-1), 0.0)

@@ -1,9 +1,15 @@
 """Sparse decode attention: each (sequence, KV head) reads only its selected positions.
 
-The launcher :func:`sparse_decode_attention` checks its inputs and dispatches by device: on CUDA
-with a half-precision cache, two ``bmm`` with float32 accumulation (:mod:`.cuda`); elsewhere the
-float32 torch reference. The Triton and Numba kernels come next, tested against the same
-reference.
+The launcher :func:`sparse_decode_attention` checks its inputs and takes the path
+:func:`sparse_decode_path` names:
+
+- ``"triton"``: on CUDA with an fp16/bf16 cache, the split-K kernel of :mod:`.triton` (each
+  selected row read once per GQA group, in place, float32 accumulation, log-sum-exp merge);
+- ``"bmm"``: on CUDA when Triton is missing or ``PRHS_KERNELS=torch``: a gather and two ``bmm``
+  with float32 accumulation (:mod:`.cuda`);
+- ``"torch"``: elsewhere, the float32 torch reference (on the CPU it is also the fastest: a
+  gather and two ``einsum``);
+- ``"triton-interpreter"``: the Triton kernel on the CPU under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -13,14 +19,31 @@ import torch
 from prhs_core.checks import check_shape
 from prhs_core.layout import KVLayout
 from prhs_core.selection import Selection
+from prhs_kernels.paths import HALF_DTYPES, announce, kernel_path
 from prhs_kernels.score import check_query
-from prhs_kernels.sparse_decode.cuda import sparse_decode_attention_bmm, supports_bmm
+from prhs_kernels.score.cuda import bmm_out_dtype_available
+from prhs_kernels.sparse_decode.cuda import sparse_decode_attention_bmm
 from prhs_kernels.sparse_decode.reference import (
     dense_positions,
     sparse_decode_attention_reference,
 )
 
-__all__ = ["dense_positions", "sparse_decode_attention", "sparse_decode_attention_reference"]
+__all__ = [
+    "dense_positions",
+    "sparse_decode_attention",
+    "sparse_decode_attention_reference",
+    "sparse_decode_path",
+]
+
+
+def sparse_decode_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The path :func:`sparse_decode_attention` takes on ``device`` for a cache of ``dtype``:
+    ``"triton"``, ``"triton-interpreter"``, ``"bmm"`` or ``"torch"``."""
+    path = kernel_path(device, dtype)
+    cuda = torch.device(device).type == "cuda"
+    if path == "torch" and cuda and dtype in HALF_DTYPES and bmm_out_dtype_available("cuda"):
+        return "bmm"
+    return path
 
 
 def sparse_decode_attention(
@@ -56,7 +79,13 @@ def sparse_decode_attention(
         check_shape("out", out, (b, hq, kv.value_dim), "[B, Hq, Dv]")
     if lse is not None:
         check_shape("lse", lse, (b, hq), "[B, Hq]")
-    if supports_bmm(query, kv):
+    path = sparse_decode_path(query.device, kv.dtype)
+    announce("sparse_decode_attention", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.sparse_decode.triton import sparse_decode_attention_triton
+
+        return sparse_decode_attention_triton(query, kv, selection, scaling, out, lse)
+    if path == "bmm":
         o, s = sparse_decode_attention_bmm(query, kv, selection, scaling)
     else:
         o, s = sparse_decode_attention_reference(query, kv, selection, scaling)

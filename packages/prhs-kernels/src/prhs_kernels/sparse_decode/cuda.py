@@ -14,19 +14,8 @@ import torch
 from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.selection import Selection
 from prhs_kernels.kv.reference import gather_kv_reference
-from prhs_kernels.score.cuda import bmm_out_dtype_available
 
-__all__ = ["attend_bmm", "gather_rows", "sparse_decode_attention_bmm", "supports_bmm"]
-
-
-def supports_bmm(query: torch.Tensor, kv: KVLayout) -> bool:
-    """Whether the ``bmm`` path applies: CUDA, a half-precision cache, and a torch with
-    ``bmm(..., out_dtype=)``."""
-    return (
-        query.device.type == "cuda"
-        and kv.dtype in (torch.float16, torch.bfloat16)
-        and bmm_out_dtype_available("cuda")
-    )
+__all__ = ["attend_bmm", "gather_rows", "sparse_decode_attention_bmm"]
 
 
 def attend_bmm(

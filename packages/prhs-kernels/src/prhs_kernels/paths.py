@@ -1,0 +1,73 @@
+"""Which implementation of an op runs on a device, and a log line saying so.
+
+Every op has a torch reference that runs everywhere. The Triton kernels run
+
+- on CUDA, for half-precision caches (fp16 / bf16), when Triton is installed;
+- on the CPU only under ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests and debugging:
+  correct, far too slow to serve).
+
+``PRHS_KERNELS=torch`` in the environment forces the torch paths everywhere (to compare, or to
+rule a kernel out). A path is chosen from the device, the dtype and the environment only, before
+anything runs: an error inside a kernel is raised, never answered by a silent fallback.
+
+:func:`kernel_path` names the path an op takes; the first time an op takes a path on a device
+type, :func:`announce` logs it once on the ``prhs_kernels`` logger (level INFO).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+__all__ = ["HALF_DTYPES", "announce", "interpreting", "kernel_path", "triton_installed"]
+
+logger = logging.getLogger("prhs_kernels")
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Cache dtypes the Triton kernels take (they accumulate in float32)."""
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether Triton can be imported (looked up, not imported: importing it is slow)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter (read each call)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _forced_torch() -> bool:
+    value = os.environ.get("PRHS_KERNELS", "").strip().lower()
+    if value not in ("", "auto", "torch"):
+        raise ValueError(f"PRHS_KERNELS must be 'auto' or 'torch' (or unset), got {value!r}")
+    return value == "torch"
+
+
+def kernel_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """``"triton"`` (compiled, CUDA), ``"triton-interpreter"`` (CPU, ``TRITON_INTERPRET=1``) or
+    ``"torch"`` for an op on ``device`` over a cache of ``dtype``."""
+    dev = torch.device(device)
+    if _forced_torch() or dtype not in HALF_DTYPES or not triton_installed():
+        return "torch"
+    if dev.type == "cuda" and not interpreting():
+        return "triton"
+    if dev.type == "cpu" and interpreting():
+        return "triton-interpreter"
+    return "torch"
+
+
+_announced: set[tuple[str, str, str]] = set()
+
+
+def announce(op: str, path: str, device: torch.device | str) -> None:
+    """Log ``op``'s path on ``device``'s type once per process."""
+    key = (op, path, torch.device(device).type)
+    if key not in _announced:
+        _announced.add(key)
+        logger.info("prhs_kernels: %s runs its %s path on %s", op, path, key[2])

@@ -1,0 +1,284 @@
+"""Triton kernels of a retrieval's scores: the group-mean attention probability of every cached
+position, computed only for the (sequence, KV head) rows that retrieve this step.
+
+Two launches (rows are cut into spans of :data:`SPAN` positions):
+
+1. ``_logits_kernel``, a persistent grid of about four programs per multiprocessor looping over
+   the work items (active row, span): the active rows are listed first by a static-shape sort
+   and counted on the device, so the work is spread over the whole GPU however few rows
+   retrieve, and no key of an inactive row is read. An item reads its span's keys once (in
+   place, contiguous or through the request-to-token table), scores them for the ``g`` query
+   heads of the group in one ``tl.dot``, and writes the float32 logits and the span's running
+   max and sum.
+2. ``_probs_kernel``, grid ``(B * Hkv, spans)``: merges the spans' (max, sum) into each query
+   head's log-sum-exp and writes ``mean_g exp(logit - lse_g)`` for its span; inactive rows get
+   0.
+
+So the keys are read only for the rows that retrieve (one retrieving head does not make the batch
+score the whole cache), with no host read of the flags.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from prhs_core.layout import ContiguousKV, KVLayout
+from prhs_kernels.paths import interpreting
+from prhs_kernels.sparse_decode.triton import _multiprocessors
+
+__all__ = ["SPAN", "retrieval_logits_triton", "retrieval_probs_triton"]
+
+BLOCK_T = 64
+"""Positions per tile."""
+
+
+def _logits_kernel(
+    Q,
+    K,
+    ORDER,
+    NACT,
+    LENS,
+    START,
+    REQ2TOK,
+    REQIDX,
+    LOGITS,
+    SM,
+    SL,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_rt,
+    scaling,
+    t_max,
+    n_rows,
+    n_spans,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPAN: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # A persistent grid over the work items (active row, span): active rows come first in
+    # ORDER and NACT counts them, so no program is spent on a row that does not retrieve.
+    if HAS_ACTIVE:
+        n_work = tl.load(NACT) * n_spans
+    else:
+        n_work = n_rows * n_spans
+    for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        span = w % n_spans
+        if HAS_ACTIVE:
+            pid = tl.load(ORDER + w // n_spans).to(tl.int32)
+        else:
+            pid = w // n_spans
+        b = pid // HKV
+        h = pid % HKV
+        seq_len = tl.load(LENS + b)
+        lo = span * SPAN
+        hi = tl.minimum(lo + SPAN, t_max)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < G
+        q_ptr = (
+            Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+        )
+        q = tl.load(q_ptr, mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        if PAGED:
+            req = tl.load(REQIDX + b).to(tl.int64)
+        if HAS_START:
+            start = tl.load(START + b).to(tl.int64)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        row = pid.to(tl.int64) * G + offs_g  # [BLOCK_G] rows of LOGITS [B * Hkv * G, t_max]
+        for t0 in range(lo, hi, BLOCK_T):
+            pos = t0 + tl.arange(0, BLOCK_T)
+            in_range = pos < hi
+            ok = in_range & (pos < seq_len)
+            pos64 = pos.to(tl.int64)
+            if PAGED:
+                slot = tl.load(REQ2TOK + req * stride_rt + pos64, mask=ok, other=0).to(tl.int64)
+                k_row = slot * stride_kt + h * stride_kh
+            else:
+                t = pos64
+                if HAS_START:
+                    t = pos64 + start
+                k_row = b.to(tl.int64) * stride_kb + h * stride_kh + t * stride_kt
+            k_mask = ok[:, None] & (offs_d[None, :] < D)
+            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
+            if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(ok[None, :], qk * scaling, float("-inf"))
+            out_ptr = LOGITS + row[:, None] * t_max + pos64[None, :]
+            tl.store(out_ptr, qk, mask=g_ok[:, None] & in_range[None, :])
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qk - m_safe[:, None]), 1)
+            m_i = m_new
+        stat = (pid.to(tl.int64) * n_spans + span) * BLOCK_G + offs_g
+        tl.store(SM + stat, m_i)
+        tl.store(SL + stat, l_i)
+
+
+def _probs_kernel(
+    ACTIVE,
+    LOGITS,
+    SM,
+    SL,
+    PROBS,
+    stride_pb,
+    stride_ph,
+    t_max,
+    n_spans,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPAN: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    span = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    lo = span * SPAN
+    hi = tl.minimum(lo + SPAN, t_max)
+    out_base = PROBS + b.to(tl.int64) * stride_pb + h * stride_ph
+    active = True
+    if HAS_ACTIVE:
+        active = tl.load(ACTIVE + pid) != 0
+    if active:
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_g = tl.arange(0, BLOCK_G)
+        s_ok = offs_s < n_spans
+        stat = (pid.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
+        m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))  # [BLOCK_S, BLOCK_G]
+        l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
+        m_max = tl.max(m, 0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total = tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0)
+        lse = m_safe + tl.log(total)  # [BLOCK_G]
+        g_ok = offs_g < G
+        row = pid.to(tl.int64) * G + offs_g
+        for t0 in range(lo, hi, BLOCK_T):
+            pos = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            in_range = pos < hi
+            lg = tl.load(
+                LOGITS + row[:, None] * t_max + pos[None, :],
+                mask=g_ok[:, None] & in_range[None, :],
+                other=float("-inf"),
+            )
+            p = tl.sum(tl.where(g_ok[:, None], tl.exp(lg - lse[:, None]), 0.0), 0) / G
+            tl.store(out_base + pos, p, mask=in_range)
+    else:
+        for t0 in range(lo, hi, BLOCK_T):
+            pos = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            tl.store(out_base + pos, tl.zeros([BLOCK_T], tl.float32), mask=pos < hi)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[object, object]:
+    del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
+    return triton.jit(_logits_kernel), triton.jit(_probs_kernel)
+
+
+SPAN = 1024
+"""Positions per work item of the logits kernel (and per program of the probs kernel)."""
+
+
+def retrieval_logits_triton(
+    query: torch.Tensor, kv: KVLayout, scaling: float, active: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The first pass: ``(logits [B * Hkv * g, T], span max, span sum, spans, BLOCK_G)``; rows
+    not ``active`` are left unwritten."""
+    b, hq, d = query.shape
+    hkv = kv.num_kv_heads
+    g = hq // hkv
+    t_max = kv.max_len
+    dev = query.device
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    n_spans = max(1, -(-t_max // SPAN))
+    block_g = max(16, triton.next_power_of_2(g))
+    logits = torch.empty(b * hkv * g, max(t_max, 1), dtype=torch.float32, device=dev)
+    sm = torch.empty(b * hkv, n_spans, block_g, dtype=torch.float32, device=dev)
+    sl = torch.empty_like(sm)
+    has_active = active is not None
+    if active is not None:
+        flat = active.reshape(-1)
+        # Active rows first (a static-shape sort: no host read of how many there are).
+        order = torch.sort((~flat).to(torch.uint8), stable=True).indices
+        n_active = flat.sum(dtype=torch.int32).reshape(1)
+    else:
+        order = n_active = kv.seq_lens  # unused
+    if isinstance(kv, ContiguousKV):
+        k = kv.k
+        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
+        req2tok = reqidx = kv.seq_lens  # unused
+        stride_rt = 0
+        has_start = kv.start is not None
+        start = kv.start if has_start else kv.seq_lens
+        paged = False
+    else:
+        k = kv.k_pool
+        skb, skh, skt = 0, k.stride(1), k.stride(0)
+        req2tok, reqidx = kv.req_to_token, kv.req_pool_indices
+        stride_rt = kv.req_to_token.stride(0)
+        start, has_start, paged = kv.seq_lens, False, True
+    if k.stride(-1) != 1:
+        raise ValueError("the Triton path needs a cache whose last dim is contiguous")
+    logits_kernel, _ = _kernels(interpreting())
+    programs = min(b * hkv * n_spans, 4 * _multiprocessors(dev))
+    logits_kernel[(programs,)](
+        query, k, order, n_active, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl,
+        query.stride(0), query.stride(1), skb, skh, skt, stride_rt,
+        float(scaling), t_max, b * hkv, n_spans,
+        HKV=hkv, G=g, BLOCK_G=block_g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=BLOCK_T, SPAN=SPAN, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
+        UPCAST=interpreting(), num_warps=4,
+    )  # fmt: skip
+    return logits, sm, sl, n_spans, block_g
+
+
+def retrieval_probs_triton(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The launcher's Triton path (inputs checked): ``[B, Hkv, T]`` float32."""
+    b, hq, _ = query.shape
+    hkv = kv.num_kv_heads
+    g = hq // hkv
+    t_max = kv.max_len
+    given = out
+    if out is None or out.stride(-1) != 1:
+        out = torch.empty(b, hkv, t_max, dtype=torch.float32, device=query.device)
+    logits, sm, sl, n_spans, block_g = retrieval_logits_triton(query, kv, scaling, active)
+    flags = active.reshape(-1).view(torch.uint8) if active is not None else kv.seq_lens
+    _, probs_kernel = _kernels(interpreting())
+    probs_kernel[(b * hkv, n_spans)](
+        flags, logits, sm, sl, out, out.stride(0), out.stride(1), t_max, n_spans,
+        HKV=hkv, G=g, BLOCK_G=block_g, BLOCK_S=max(2, triton.next_power_of_2(n_spans)),
+        BLOCK_T=BLOCK_T, SPAN=SPAN, HAS_ACTIVE=active is not None, num_warps=4,
+    )  # fmt: skip
+    if given is not None and given is not out:
+        given.copy_(out)
+        out = given
+    return out

@@ -1,0 +1,329 @@
+"""Triton kernel of sparse decode attention: each selected K/V row is read once, in place.
+
+Two launches:
+
+1. ``_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, j)`` takes the ``j``-th slice of
+   row ``(b, h)``'s list (positions, or ``s``-block entries expanded to positions, or every
+   position when dense), loads each listed K and V row straight from the cache (contiguous or
+   through the request-to-token table, no gathered copy) and runs an online softmax for *all*
+   ``g = Hq / Hkv`` query heads of the group at once (one ``tl.dot`` of the ``[g, D]`` queries
+   against ``[N, D]`` keys), so a row is read once per group, not once per query head. It writes
+   its unnormalised partial output, running max and sum in float32.
+2. ``_merge_kernel``, grid ``(B * Hq,)``: merges the ``S`` partials by their log-sum-exp into
+   the output (query dtype) and ``lse`` (float32), written in place into ``out=`` / ``lse=``.
+
+``S`` (the split count) is a static function of the shapes and the GPU's multiprocessor count,
+so a step keeps its launch shapes from one decode step to the next (CUDA-graph safe); slices past
+a row's count exit after reading the count. Nothing is read on the host.
+
+Semantics are the torch reference's: entries past a count, negative ids and positions past a
+sequence's end are not read; a row with nothing to read gives ``out = 0`` and ``lse = -inf``; a
+NaN in a selected key or value (or the query) reaches the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from prhs_core.layout import ContiguousKV, KVLayout
+from prhs_core.selection import Selection
+from prhs_kernels.paths import interpreting
+
+__all__ = ["num_splits", "sparse_decode_attention_triton"]
+
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4}
+"""Launch parameters: positions per tile of the inner loop, warps per program, software
+pipelining depth, and programs per multiprocessor the split count aims at. Module-level so that
+``benchmarks/scripts/kernels.py`` can sweep them; chosen there, on an H200."""
+
+
+def _split_kernel(
+    Q,
+    K,
+    V,
+    IDX,
+    CNT,
+    LENS,
+    START,
+    REQ2TOK,
+    REQIDX,
+    PO,
+    PM,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ib,
+    stride_ih,
+    stride_rt,
+    scaling,
+    k_max,
+    per_split,
+    n_splits,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DENSE: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_START: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    seq_len = tl.load(LENS + b)
+    if DENSE:
+        n_virt = seq_len
+    else:
+        cnt = tl.minimum(tl.maximum(tl.load(CNT + b * HKV + h), 0), k_max)
+        n_virt = cnt * BS
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_virt)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    g_ok = offs_g < G
+    q_ptr = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr, mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    if PAGED:
+        req = tl.load(REQIDX + b).to(tl.int64)
+    if HAS_START:
+        start = tl.load(START + b).to(tl.int64)
+    for t0 in range(lo, hi, BLOCK_N):
+        v_off = t0 + tl.arange(0, BLOCK_N)
+        ok = v_off < hi
+        if DENSE:
+            pos = v_off.to(tl.int64)
+        else:
+            entry = v_off // BS
+            ids = tl.load(
+                IDX + b.to(tl.int64) * stride_ib + h * stride_ih + entry, mask=ok, other=-1
+            )
+            pos = ids.to(tl.int64) * BS + (v_off % BS)
+            ok = ok & (ids >= 0)
+        ok = ok & (pos < seq_len)
+        if PAGED:
+            slot = tl.load(REQ2TOK + req * stride_rt + pos, mask=ok, other=0).to(tl.int64)
+            k_row = slot * stride_kt + h * stride_kh
+            v_row = slot * stride_vt + h * stride_vh
+        else:
+            t = pos
+            if HAS_START:
+                t = pos + start
+            k_row = b.to(tl.int64) * stride_kb + h * stride_kh + t * stride_kt
+            v_row = b.to(tl.int64) * stride_vb + h * stride_vh + t * stride_vt
+        k = tl.load(
+            K + k_row[:, None] + offs_d[None, :],
+            mask=ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scaling  # [BLOCK_G, BLOCK_N] float32
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + v_row[:, None] + offs_dv[None, :],
+            mask=ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
+        if UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    qh = h * G + offs_g
+    base = (b.to(tl.int64) * (HKV * G) + qh) * n_splits + split  # [BLOCK_G]
+    tl.store(PM + base, m_i, mask=g_ok)
+    tl.store(PL + base, l_i, mask=g_ok)
+    tl.store(
+        PO + base[:, None] * DV + offs_dv[None, :],
+        acc,
+        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+
+
+def _merge_kernel(
+    PO,
+    PM,
+    PL,
+    OUT,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    n_splits,
+    HQ: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HQ
+    qh = pid % HQ
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < n_splits
+    base = pid.to(tl.int64) * n_splits + offs_s
+    m = tl.load(PM + base, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(PL + base, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(s_ok, tl.exp(m - m_safe), 0.0)
+    total = tl.sum(l_s * w, 0)
+    o = tl.load(
+        PO + base[:, None] * DV + offs_dv[None, :],
+        mask=s_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    o = tl.sum(o * w[:, None], 0)
+    empty = total == 0.0
+    o = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total))
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+    out_ptr = OUT + b.to(tl.int64) * stride_ob + qh * stride_oh + offs_dv
+    tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[object, object]:
+    """The two kernels, jitted for the mode asked (the interpreter or the compiler)."""
+    del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
+    return triton.jit(_split_kernel), triton.jit(_merge_kernel)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def num_splits(pairs: int, max_positions: int, device: torch.device) -> int:
+    """Slices per (sequence, KV head) list: enough programs for ``TUNING["waves"]`` programs per
+    multiprocessor, and no slice shorter than one tile. A function of shapes only."""
+    tiles = max(1, -(-max_positions // TUNING["block_n"]))
+    want = -(-TUNING["waves"] * _multiprocessors(device) // max(pairs, 1))
+    return max(1, min(tiles, want))
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def sparse_decode_attention_triton(
+    query: torch.Tensor,
+    kv: KVLayout,
+    selection: Selection | None,
+    scaling: float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launcher's Triton path (inputs already checked): ``(out [B, Hq, Dv], lse [B, Hq])``,
+    written into ``out`` / ``lse`` when given (any strides)."""
+    b, hq, d = query.shape
+    hkv = kv.num_kv_heads
+    g = hq // hkv
+    dv = kv.value_dim
+    dev = query.device
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    given_out = out
+    if out is None or out.stride(-1) != 1:
+        out = torch.empty(b, hq, dv, dtype=query.dtype, device=dev)
+    if lse is None:
+        lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
+    dense = selection is None
+    if dense:
+        bs, k_max = 1, 0
+        max_positions = kv.max_len
+        idx = cnt = kv.seq_lens  # unused
+        stride_ib = stride_ih = 0
+    else:
+        bs, k_max = selection.block_size, selection.width
+        max_positions = k_max * bs  # entries past a row's end still take their slots
+        idx, cnt = selection.indices, selection.counts.contiguous()
+        if idx.stride(-1) != 1:
+            idx = idx.contiguous()
+        stride_ib, stride_ih = idx.stride(0), idx.stride(1)
+    n_split = num_splits(b * hkv, max_positions, dev)
+    per_split = -(-max(max_positions, 1) // n_split)
+    block_n = TUNING["block_n"]
+    per_split = -(-per_split // block_n) * block_n
+    part_o = torch.empty(b, hq, n_split, dv, dtype=torch.float32, device=dev)
+    part_m = torch.empty(b, hq, n_split, dtype=torch.float32, device=dev)
+    part_l = torch.empty(b, hq, n_split, dtype=torch.float32, device=dev)
+
+    paged = not isinstance(kv, ContiguousKV)
+    if paged:
+        k, v = kv.k_pool, kv.v_pool
+        skb, skh, skt = 0, k.stride(1), k.stride(0)
+        svb, svh, svt = 0, v.stride(1), v.stride(0)
+        req2tok, reqidx, stride_rt = kv.req_to_token, kv.req_pool_indices, kv.req_to_token.stride(0)
+        start = kv.seq_lens  # unused
+        has_start = False
+    else:
+        k, v = kv.k, kv.v
+        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
+        svb, svh, svt = v.stride(0), v.stride(1), v.stride(2)
+        req2tok = reqidx = kv.seq_lens  # unused
+        stride_rt = 0
+        has_start = kv.start is not None
+        start = kv.start if has_start else kv.seq_lens
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the Triton path needs a cache whose last dim is contiguous")
+
+    split_kernel, merge_kernel = _kernels(interpreting())
+    block_d, block_dv = _pow2(d, 16), _pow2(dv, 16)
+    split_kernel[(b * hkv, n_split)](
+        query, k, v, idx, cnt, kv.seq_lens, start, req2tok, reqidx,
+        part_o, part_m, part_l,
+        query.stride(0), query.stride(1),
+        skb, skh, skt, svb, svh, svt,
+        stride_ib, stride_ih, stride_rt,
+        float(scaling), k_max, per_split, n_split,
+        HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
+        BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
+        UPCAST=interpreting(),
+        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+    )  # fmt: skip
+    merge_kernel[(b * hq,)](
+        part_o, part_m, part_l, out, lse,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
+        HQ=hq, DV=dv, BLOCK_DV=block_dv, BLOCK_S=_pow2(n_split, 2),
+        num_warps=4,
+    )  # fmt: skip
+    if given_out is not None and given_out is not out:
+        given_out.copy_(out)
+        out = given_out
+    return out, lse
