@@ -37,15 +37,30 @@ from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_core.theory import log_reuse_certificate
 from prhs_kernels.blocks import block_reduce
+from prhs_kernels.cis import (
+    cis_compose,
+    cis_decide,
+    cis_path,
+    retrieval_block_scores,
+    top_blocks,
+)
 from prhs_kernels.compose import dilate_indices
 from prhs_kernels.kv import gather_kv
-from prhs_kernels.score import max_key_norm, score_keys
+from prhs_kernels.score import max_key_norm, retrieval_probs, score_keys
 from prhs_kernels.topk import top_p_indices, topk_indices
-from prhs_selectors.base import BaseSelector, group_probs
+from prhs_selectors.base import BaseSelector
 
 __all__ = ["CIS", "CISConfig", "group_log_dropped_mass"]
 
 NEG_INF = float("-inf")
+
+_ANCHOR_FIELDS = (
+    "anchor_q",
+    "anchor_len",
+    "anchor_idx",
+    "anchor_cnt",
+    "anchor_log_delta",
+)
 
 
 @dataclass(frozen=True)
@@ -224,6 +239,92 @@ class CIS(BaseSelector):
         state: SelectorState,
         bad: torch.Tensor,
     ) -> Selection | None:
+        if self.config.certified:
+            return self._select_certified(plan, layer, query, kv, state, bad)
+        return self._select_paper(plan, layer, query, kv, state, bad)
+
+    def kernel_path(self, device: torch.device | str, dtype: torch.dtype) -> str:
+        """The path of the paper-mode step (:func:`prhs_kernels.cis.cis_path`): ``"triton"``
+        (the fused decide / score / compose kernels), ``"triton-interpreter"`` or ``"torch"``.
+        Certified mode runs torch (float64 certificate quantities)."""
+        if self.config.certified:
+            return "torch"
+        return cis_path(device, dtype, self.config.block_size)
+
+    def _select_paper(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection:
+        """Paper mode through :mod:`prhs_kernels.cis`: decide, score the retrieving rows' blocks,
+        take their top ``k/s``, compose and update the anchors."""
+        c = self.config
+        pool, slots = state.pool, plan.slots
+        path = self.kernel_path(query.device, kv.dtype)
+        anchor = {n: pool[n][:, layer] for n in _ANCHOR_FIELDS}
+        retrieve = cis_decide(
+            query,
+            anchor["anchor_q"],
+            anchor["anchor_len"],
+            slots,
+            kv.seq_lens,
+            bad,
+            tau=c.tau,
+            n_local=c.n_local,
+            path=path,
+        )
+        scores = retrieval_block_scores(
+            query,
+            kv,
+            plan.scaling,
+            retrieve,
+            block_size=c.block_size,
+            n_sink=c.n_sink,
+            n_local=c.n_local,
+            path=path,
+        )
+        new_idx, new_scores = top_blocks(scores, self.anchor_width())
+        sel = plan.selection
+        cis_compose(
+            query,
+            retrieve,
+            bad,
+            new_idx,
+            new_scores,
+            *(anchor[n] for n in _ANCHOR_FIELDS),
+            slots,
+            kv.seq_lens,
+            n_sink=c.n_sink,
+            n_local=c.n_local,
+            block_size=c.block_size,
+            m=self.dilation_m(),
+            r=c.r,
+            out_indices=sel.indices,
+            out_counts=sel.counts,
+            path=path,
+        )
+        if plan.stats is not None:
+            hq, d = query.shape[1:]
+            proxy = torch.where(
+                retrieve, self.retrieval_bytes(kv), float(hq // kv.num_kv_heads * d * 4)
+            )
+            self.record(plan, layer, kv, sel, retrieve, proxy, None)
+        return sel
+
+    def _select_certified(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        query: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        bad: torch.Tensor,
+    ) -> Selection:
+        """Certified mode, in torch: the certificate's quantities are float64."""
         c = self.config
         b, hq, d = query.shape
         h = kv.num_kv_heads
@@ -245,17 +346,15 @@ class CIS(BaseSelector):
         if c.require_cosine:
             cos = torch.nn.functional.cosine_similarity(q.flatten(-2), qa.flatten(-2), dim=-1)
             reuse &= cos >= c.tau
-        log_dhat: torch.Tensor | None = None
-        if c.certified:
-            # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
-            offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
-            new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]
-            new_pos = torch.where(new_pos < lens.unsqueeze(-1), new_pos, -1)
-            new_keys, _ = gather_kv(kv, new_pos, values=False)
-            kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
-            eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
-            log_dhat = log_reuse_certificate(a_logd, eps.double(), check=False)
-            reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
+        # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
+        offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
+        new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]
+        new_pos = torch.where(new_pos < lens.unsqueeze(-1), new_pos, -1)
+        new_keys, _ = gather_kv(kv, new_pos, values=False)
+        kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
+        eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
+        log_dhat = log_reuse_certificate(a_logd, eps.double(), check=False)
+        reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
         reuse &= ~bad
         retrieve = ~reuse & ~bad
 
@@ -266,34 +365,27 @@ class CIS(BaseSelector):
             -1,
         )
 
-        # A retrieval scores every key (here for every row, to keep shapes static; the Triton
-        # path scores only the retrieving heads) and reads sink ∪ S_new ∪ local.
-        logits = score_keys(query, kv, plan.scaling)
-        probs = group_probs(logits)
-        new_idx, new_cnt, _ = self._retrieve(kv, probs, bad)
+        # A retrieval scores every key (of the retrieving rows) and reads sink ∪ S_new ∪ local.
+        probs = retrieval_probs(query, kv, plan.scaling, retrieve)
+        new_idx, new_cnt = self._retrieve_certified(kv, probs, bad)
         pad = reuse_part.shape[-1] - m_width
         new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
         part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
         part = part.masked_fill(bad.unsqueeze(-1), -1)  # a skipped row reads its windows only
         sel = self.compose(plan, kv, part)
 
-        delta_hat = None
-        log_d_anchor = torch.zeros(b, h, dtype=torch.float64, device=lens.device)
-        new_kmax = a_kmax
-        if c.certified:
-            # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests on:
-            # float64 logits.
-            logits64 = score_keys(query, kv, plan.scaling, dtype=torch.float64)
-            t = kv.max_len
-            sink, local = self.windows(kv)
-            dil = dilate_indices(new_idx, new_cnt, self.dilation_m(), c.r)
-            anchor_keep = _token_mask([new_idx, dil, sink], s, t, kv.seq_lens)
-            log_d_anchor = group_log_dropped_mass(logits64, anchor_keep)
-            read = _token_mask([new_idx, sink, local], s, t, kv.seq_lens)
-            exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
-            assert log_dhat is not None
-            delta_hat = torch.where(retrieve, exact, torch.exp(log_dhat).float())
-            new_kmax = max_key_norm(kv)
+        # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests on:
+        # float64 logits.
+        logits64 = score_keys(query, kv, plan.scaling, dtype=torch.float64)
+        t = kv.max_len
+        sink, local = self.windows(kv)
+        dil = dilate_indices(new_idx, new_cnt, self.dilation_m(), c.r)
+        anchor_keep = _token_mask([new_idx, dil, sink], s, t, kv.seq_lens)
+        log_d_anchor = group_log_dropped_mass(logits64, anchor_keep)
+        read = _token_mask([new_idx, sink, local], s, t, kv.seq_lens)
+        exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
+        delta_hat = torch.where(retrieve, exact, torch.exp(log_dhat).float())
+        new_kmax = max_key_norm(kv)
 
         r = retrieve
         pool["anchor_q"][:, layer][slots] = torch.where(r[..., None, None], q, qa)
@@ -307,14 +399,12 @@ class CIS(BaseSelector):
         self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat)
         return sel
 
-    def _retrieve(
+    def _retrieve_certified(
         self, kv: KVLayout, probs: torch.Tensor, bad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A retrieval's ``S_a``: ``(indices [B, H, M], counts [B, H], block scores)``, the list
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A certified retrieval's ``S_a``: ``(indices [B, H, M], counts [B, H])``, the list
         ordered by block score (max group probability), largest first."""
         c = self.config
-        if not c.certified:
-            return self.topk_blocks(kv, probs, self.budget_blocks(), bad)
         # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped;
         # only the sink is left out of the candidates.
         s = c.block_size
@@ -333,4 +423,4 @@ class CIS(BaseSelector):
         sc = sc.masked_fill(idx < 0, NEG_INF)
         order, _ = topk_indices(sc, idx.shape[-1], idx >= 0)
         idx = torch.gather(idx, -1, order.long().clamp(min=0)).masked_fill(order < 0, -1)
-        return idx, cnt, block_scores
+        return idx, cnt

@@ -1,0 +1,188 @@
+"""The CIS step's ops (paper mode), each a checked launcher over a torch reference:
+
+- :func:`cis_decide` -- which (sequence, KV head) rows retrieve: the anchor's age and the cosine
+  of the group's queries with the anchor's;
+- :func:`retrieval_block_scores` -- a retrieval's block scores (largest group probability per
+  block), ``-inf`` where top-k may not pick; keys are read for the retrieving rows only;
+- :func:`top_blocks` -- the ``M`` best blocks by score, largest first;
+- :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
+  local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
+  that retrieve updated.
+
+:func:`cis_path` names the path: ``"triton"`` on CUDA for fp16/bf16 caches and power-of-two
+block sizes (three launches plus the retrieval's two and a top-k), ``"triton-interpreter"`` on
+the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prhs_core.checks import check_bool_mask, check_int, check_shape
+from prhs_core.layout import KVLayout
+from prhs_kernels.cis.reference import (
+    block_eligible_reference,
+    cis_compose_reference,
+    cis_decide_reference,
+    retrieval_block_scores_reference,
+)
+from prhs_kernels.compose.reference import window_widths
+from prhs_kernels.paths import announce, kernel_path
+from prhs_kernels.score import check_query, retrieval_probs
+
+__all__ = [
+    "block_eligible_reference",
+    "cis_compose",
+    "cis_compose_reference",
+    "cis_decide",
+    "cis_decide_reference",
+    "cis_path",
+    "retrieval_block_scores",
+    "retrieval_block_scores_reference",
+    "top_blocks",
+]
+
+
+def cis_path(device: torch.device | str, dtype: torch.dtype, block_size: int) -> str:
+    """The path the CIS ops take for a cache of ``dtype`` on ``device``."""
+    path = kernel_path(device, dtype)
+    if path != "torch" and block_size & (block_size - 1):
+        return "torch"  # the block-score kernel tiles blocks by powers of two
+    return path
+
+
+def _check_anchors(
+    anchor_len: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, b: int
+) -> int:
+    if anchor_len.ndim != 2:
+        raise ValueError(f"anchor_len must be [N, Hkv], got {list(anchor_len.shape)}")
+    check_shape("slots", slots, (b,), "[B]")
+    check_shape("seq_lens", seq_lens, (b,), "[B]")
+    return anchor_len.shape[1]
+
+
+def cis_decide(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    *,
+    tau: float,
+    n_local: int,
+    path: str = "torch",
+) -> torch.Tensor:
+    """``[B, Hkv]`` bool: the rows that retrieve (see :func:`.reference.cis_decide_reference`).
+
+    ``anchor_q [N, Hkv, g, D]`` float32 and ``anchor_len [N, Hkv]`` int32 are one layer's
+    anchor fields (rows by state slot, strided views allowed); ``slots [B]`` picks each batch
+    row's."""
+    b, hq, d = query.shape
+    h = _check_anchors(anchor_len, slots, seq_lens, b)
+    check_shape("anchor_q", anchor_q, (anchor_len.shape[0], h, hq // h, d), "[N, Hkv, g, D]")
+    check_bool_mask("bad", bad, (b, h))
+    check_int("n_local", n_local, minimum=0)
+    announce("cis_decide", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import cis_decide_triton
+
+        return cis_decide_triton(query, anchor_q, anchor_len, slots, seq_lens, bad, tau, n_local)
+    return cis_decide_reference(query, anchor_q, anchor_len, slots, seq_lens, bad, tau, n_local)
+
+
+def retrieval_block_scores(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor,
+    *,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    path: str = "torch",
+) -> torch.Tensor:
+    """``[B, Hkv, ceil(T / s)]`` float32: each block's largest group-mean probability on the
+    ``active [B, Hkv]`` rows, ``-inf`` for blocks that do not exist or hold a sink or local
+    position and on the other rows (whose keys the Triton path does not read)."""
+    check_query(query, kv)
+    check_bool_mask("active", active, (kv.batch_size, kv.num_kv_heads))
+    check_int("block_size", block_size, minimum=1)
+    announce("retrieval_block_scores", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import retrieval_block_scores_triton
+
+        return retrieval_block_scores_triton(
+            query, kv, scaling, block_size, n_sink, n_local, active
+        )
+    probs = retrieval_probs(query, kv, scaling, active)
+    return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active)
+
+
+def top_blocks(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [..., min(m, NB)] int32, values)``: the best blocks of ``scores [..., NB]``,
+    largest first (``-inf`` values mark no block). Ties: any order on CUDA (``torch.topk``),
+    toward the lower id elsewhere (a stable sort)."""
+    k = min(m, scores.shape[-1])
+    if scores.device.type == "cuda":
+        vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
+    else:
+        idx = torch.sort(-scores, dim=-1, stable=True).indices[..., :k]
+        vals = torch.gather(scores, -1, idx)
+    return idx.to(torch.int32), vals
+
+
+def cis_compose(
+    query: torch.Tensor,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    new_idx: torch.Tensor,
+    new_scores: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    path: str = "torch",
+) -> None:
+    """Write the selection into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` and make
+    the retrieving rows anchors (see :func:`.reference.cis_compose_reference`). ``W`` must be
+    ``ws + M + 2·r·m + wl``: the widths of the sink window, the anchor list, its dilation and
+    the local window."""
+    b = query.shape[0]
+    h = _check_anchors(anchor_len, slots, seq_lens, b)
+    mm = anchor_idx.shape[-1]
+    check_bool_mask("retrieve", retrieve, (b, h))
+    check_bool_mask("bad", bad, (b, h))
+    if new_idx.shape != new_scores.shape or tuple(new_idx.shape[:2]) != (b, h):
+        raise ValueError("new_idx and new_scores must both be [B, Hkv, M']")
+    if new_idx.shape[-1] > mm:
+        raise ValueError(f"new_idx holds {new_idx.shape[-1]} entries; the anchor list {mm}")
+    ws, wl = window_widths(n_sink, n_local, block_size)
+    width = ws + mm + 2 * r * m + wl
+    check_shape("out_indices", out_indices, (b, h, width), "[B, Hkv, ws + M + 2rm + wl]")
+    check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
+    if m > mm:
+        raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
+    announce("cis_compose", path, query.device)
+    args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
+    args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import cis_compose_triton
+
+        cis_compose_triton(
+            *args, **kw, out_indices=out_indices, out_counts=out_counts, windows=(ws, wl)
+        )
+        return
+    cis_compose_reference(*args, **kw, out_indices=out_indices, out_counts=out_counts)

@@ -1,0 +1,146 @@
+"""Torch references of the CIS step's ops (paper mode): the reuse decision, a retrieval's block
+scores, and the composition of the selection with the anchors' update.
+
+Readable and exact: the Triton kernels of :mod:`prhs_kernels.cis.triton` are tested against
+them, and the ``cis`` selector runs them wherever the kernels do not apply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prhs_core.layout import KVLayout
+from prhs_kernels.blocks.reference import block_reduce_reference
+from prhs_kernels.compose.reference import (
+    dilate_indices_reference,
+    union_indices_reference,
+    window_indices_reference,
+)
+
+__all__ = [
+    "block_eligible_reference",
+    "cis_compose_reference",
+    "cis_decide_reference",
+    "retrieval_block_scores_reference",
+]
+
+
+def cis_decide_reference(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    tau: float,
+    n_local: int,
+) -> torch.Tensor:
+    """``[B, Hkv]`` bool: the rows that retrieve. A row reuses its anchor (row ``slots[b]`` of
+    ``anchor_q [N, Hkv, g, D]`` / ``anchor_len [N, Hkv]``) iff the anchor exists, is at most
+    ``n_local`` positions old, and the cosine of the group's concatenated queries with the
+    anchor's is at least ``tau``; ``bad`` rows neither reuse nor retrieve."""
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    q = query.reshape(b, h, hq // h * d).float()
+    qa = anchor_q[slots].reshape(b, h, -1)
+    ta = anchor_len[slots]
+    lens = seq_lens.view(-1, 1)
+    reuse = (ta > 0) & (lens - ta <= n_local) & (lens >= ta)
+    reuse &= torch.nn.functional.cosine_similarity(q, qa, dim=-1) >= tau
+    return ~reuse & ~bad
+
+
+def block_eligible_reference(
+    seq_lens: torch.Tensor, n_blocks: int, block_size: int, n_sink: int, n_local: int
+) -> torch.Tensor:
+    """``[B, NB]`` bool: blocks that exist and hold no sink or local position."""
+    s = block_size
+    sink, local = window_indices_reference(seq_lens, n_sink, n_local, s)
+    ids = torch.cat([sink, local], dim=-1).long()
+    window = torch.zeros(ids.shape[0], n_blocks + 1, dtype=torch.bool, device=ids.device)
+    window.scatter_(-1, torch.where(ids >= 0, ids.clamp(max=n_blocks), n_blocks), True)
+    j = torch.arange(n_blocks, device=seq_lens.device).view(1, -1)
+    exists = j < ((seq_lens.long() + s - 1) // s).view(-1, 1)
+    return exists & ~window[:, :n_blocks]
+
+
+def retrieval_block_scores_reference(
+    probs: torch.Tensor,
+    kv: KVLayout,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    active: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[B, Hkv, NB]`` float32: the largest group probability of each ``block_size``-block of
+    ``probs [B, Hkv, T]`` (:func:`prhs_kernels.score.retrieval_probs`), ``-inf`` for blocks that
+    do not exist or hold a sink or local position, and on rows that are not ``active``."""
+    scores = block_reduce_reference(probs, block_size, "max") if block_size > 1 else probs
+    ok = block_eligible_reference(kv.seq_lens, scores.shape[-1], block_size, n_sink, n_local)
+    ok = ok.unsqueeze(1)
+    if active is not None:
+        ok = ok & active.unsqueeze(-1)
+    return scores.masked_fill(~ok, float("-inf"))
+
+
+def cis_compose_reference(
+    query: torch.Tensor,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    new_idx: torch.Tensor,
+    new_scores: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+) -> None:
+    """Write each row's selection and update the anchors of the rows that retrieve.
+
+    A retrieving row reads ``sink ∪ S_new ∪ local``, where ``S_new`` is ``new_idx [B, Hkv, M]``
+    (blocks by score, largest first) without the entries whose ``new_scores`` is ``-inf``; it
+    becomes the anchor (query, length, list, count; ``log δ_a = 0``). A reusing row reads
+    ``sink ∪ S_a ∪ dilate(S_a) ∪ local`` (the first ``m`` entries of the anchor's list dilated
+    by ``±1 .. ±r``); a ``bad`` row its windows only. The union is written ascending and
+    distinct into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]``.
+    """
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    mm = anchor_idx.shape[-1]
+    a_idx, a_cnt = anchor_idx[slots], anchor_cnt[slots]
+    used = torch.arange(mm, device=a_idx.device) < a_cnt.unsqueeze(-1)
+    reuse_part = torch.cat(
+        [torch.where(used, a_idx, -1), dilate_indices_reference(a_idx, a_cnt, m, r)], -1
+    )
+    new_ok = new_scores > float("-inf")
+    new_cnt = new_ok.sum(-1).to(torch.int32)
+    new = torch.where(new_ok, new_idx, -1).to(torch.int32)
+    new = torch.nn.functional.pad(new, (0, mm - new.shape[-1]), value=-1)  # M' <= M entries
+    new_part = torch.nn.functional.pad(new, (0, reuse_part.shape[-1] - mm), value=-1)
+    part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
+    part = part.masked_fill(bad.unsqueeze(-1), -1)
+    s = block_size
+    sink, local = window_indices_reference(seq_lens, n_sink, n_local, s)
+    n_blocks = (seq_lens + s - 1) // s
+    idx, cnt = union_indices_reference([sink, part, local], n_blocks, out_indices.shape[-1])
+    out_indices.copy_(idx)
+    out_counts.copy_(cnt)
+    q = query.reshape(b, h, hq // h, d).float()
+    rr = retrieve
+    anchor_q[slots] = torch.where(rr[..., None, None], q, anchor_q[slots])
+    anchor_len[slots] = torch.where(rr, seq_lens.view(-1, 1), anchor_len[slots])
+    anchor_idx[slots] = torch.where(rr.unsqueeze(-1), new, a_idx)
+    anchor_cnt[slots] = torch.where(rr, new_cnt, a_cnt)
+    anchor_log_delta[slots] = torch.where(rr, 0.0, anchor_log_delta[slots]).to(
+        anchor_log_delta.dtype
+    )

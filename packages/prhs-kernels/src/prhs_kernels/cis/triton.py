@@ -1,0 +1,403 @@
+"""Triton kernels of the CIS step (paper mode): three launches besides the retrieval's keys.
+
+- ``_decide_kernel``, one program per (sequence, KV head): the anchor's age and the cosine of the
+  group's queries with the anchor's, read from the state row of the sequence's slot; writes
+  whether the row retrieves.
+- ``_block_scores_kernel``, grid ``(B * Hkv, spans)``: from the logits and span statistics of
+  :mod:`prhs_kernels.score.triton`'s first pass, each block's largest group-mean probability,
+  ``-inf`` for blocks that do not exist, hold a sink or local position, or belong to a row that
+  does not retrieve (what top-k may not pick).
+- ``_compose_kernel``, one program per (sequence, KV head): the row's candidate list (sink,
+  the new or the anchor's list with its dilation, local), sorted, made distinct and written as
+  the selection; a retrieving row also becomes the anchor.
+
+No value is read on the host and every shape is static, so the step can be captured in a CUDA
+graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from prhs_core.layout import KVLayout
+from prhs_kernels.paths import interpreting
+from prhs_kernels.score import triton as score_triton
+
+__all__ = ["cis_compose_triton", "cis_decide_triton", "retrieval_block_scores_triton"]
+
+
+def _decide_kernel(
+    Q,
+    AQ,
+    ALEN,
+    SLOTS,
+    LENS,
+    BAD,
+    RETRIEVE,
+    stride_qb,
+    stride_qh,
+    stride_aq_n,
+    stride_aq_h,
+    stride_aq_g,
+    stride_alen_n,
+    stride_alen_h,
+    tau,
+    n_local,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+    q_ptr = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr, mask=mask, other=0.0).to(tl.float32)
+    a_ptr = AQ + slot * stride_aq_n + h * stride_aq_h + offs_g[:, None] * stride_aq_g
+    qa = tl.load(a_ptr + offs_d[None, :], mask=mask, other=0.0)
+    eps = 1e-8
+    nq = tl.maximum(tl.sqrt(tl.sum(tl.sum(q * q, 1), 0)), eps)
+    na = tl.maximum(tl.sqrt(tl.sum(tl.sum(qa * qa, 1), 0)), eps)
+    cos = tl.sum(tl.sum((q / nq) * (qa / na), 1), 0)
+    ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
+    seq = tl.load(LENS + b)
+    reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= tau)
+    bad = tl.load(BAD + pid) != 0
+    tl.store(RETRIEVE + pid, ((~reuse) & (~bad)).to(tl.int8))
+
+
+def _block_scores_kernel(
+    ACTIVE,
+    LENS,
+    LOGITS,
+    SM,
+    SL,
+    SCORES,
+    t_max,
+    n_blocks,
+    n_spans,
+    n_sink,
+    n_local,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    SPAN_BLOCKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    span = tl.program_id(1)
+    b = pid // HKV
+    seq = tl.load(LENS + b)
+    active = tl.load(ACTIVE + pid) != 0
+    nb_seq = (seq + BS - 1) // BS
+    sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
+    local_first = tl.maximum(seq - n_local, 0) // BS
+    if n_local == 0:
+        local_first = nb_seq
+    j0 = span * SPAN_BLOCKS
+    out_base = SCORES + pid.to(tl.int64) * n_blocks
+    offs_g = tl.arange(0, BLOCK_G)
+    if active:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_spans
+        stat = (pid.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
+        m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))
+        l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
+        m_max = tl.max(m, 0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        lse = m_safe + tl.log(tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0))
+        g_ok = offs_g < G
+        row = pid.to(tl.int64) * G + offs_g
+        for jj in range(0, SPAN_BLOCKS, BLOCKS_PER_TILE):
+            j = j0 + jj + tl.arange(0, BLOCKS_PER_TILE)  # block ids of this tile
+            pos = j[:, None] * BS + tl.arange(0, BS)[None, :]  # [blocks, BS]
+            in_t = (pos < t_max) & (j[:, None] < n_blocks)
+            lg = tl.load(
+                LOGITS + row[:, None, None] * t_max + pos[None, :, :],
+                mask=g_ok[:, None, None] & in_t[None, :, :],
+                other=float("-inf"),
+            )  # [BLOCK_G, blocks, BS]
+            p = tl.sum(tl.where(g_ok[:, None, None], tl.exp(lg - lse[:, None, None]), 0.0), 0) / G
+            best = tl.max(p, 1)  # [blocks]
+            ok = (j < nb_seq) & (j >= sink_end) & (j < local_first)
+            tl.store(out_base + j, tl.where(ok, best, float("-inf")), mask=j < n_blocks)
+    else:
+        for jj in range(0, SPAN_BLOCKS, BLOCKS_PER_TILE):
+            j = j0 + jj + tl.arange(0, BLOCKS_PER_TILE)
+            tl.store(out_base + j, tl.full([BLOCKS_PER_TILE], float("-inf"), tl.float32),
+                     mask=j < n_blocks)  # fmt: skip
+
+
+def _compose_kernel(
+    Q,
+    RETRIEVE,
+    BAD,
+    NEW_IDX,
+    NEW_SCORES,
+    AQ,
+    ALEN,
+    AIDX,
+    ACNT,
+    ALOGD,
+    SLOTS,
+    LENS,
+    OUT_IDX,
+    OUT_CNT,
+    SCRATCH,
+    stride_qb,
+    stride_qh,
+    stride_aq_n,
+    stride_aq_h,
+    stride_aq_g,
+    stride_alen_n,
+    stride_alen_h,
+    stride_aidx_n,
+    stride_aidx_h,
+    stride_acnt_n,
+    stride_acnt_h,
+    stride_alogd_n,
+    stride_alogd_h,
+    stride_oi_b,
+    stride_oi_h,
+    n_sink,
+    n_local,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NEW_M: tl.constexpr,
+    DIL_M: tl.constexpr,
+    R: tl.constexpr,
+    R2: tl.constexpr,
+    WS: tl.constexpr,
+    WL: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    seq = tl.load(LENS + b)
+    retrieve = tl.load(RETRIEVE + pid) != 0
+    bad = tl.load(BAD + pid) != 0
+    nb_seq = (seq + BS - 1) // BS
+    big = 2147483647
+
+    # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W slots.
+    w = tl.arange(0, BLOCK_W)
+    cand = tl.full([BLOCK_W], -1, tl.int32)
+    # sink: blocks 0 .. ceil(min(seq, n_sink) / s) - 1
+    sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
+    cand = tl.where((w < WS) & (w < sink_end), w, cand)
+    # local: first = max(seq - n_local, 0) // s, WL blocks from there
+    lo_w = WS + M + 2 * R * DIL_M
+    first = tl.maximum(seq - n_local, 0) // BS
+    li = w - lo_w
+    cand = tl.where((li >= 0) & (li < WL) & (seq > 0), first + li, cand)
+    # the list: the new top blocks (retrieval) or the anchor's (reuse)
+    k = w - WS
+    in_list = (k >= 0) & (k < M)
+    a_base = AIDX + slot * stride_aidx_n + h * stride_aidx_h
+    a_cnt = tl.load(ACNT + slot * stride_acnt_n + h * stride_acnt_h)
+    new_base = pid.to(tl.int64) * NEW_M
+    kk = tl.where(in_list, k, 0)
+    if retrieve:
+        new_ok = in_list & (k < NEW_M)
+        nid = tl.load(NEW_IDX + new_base + kk, mask=new_ok, other=-1)
+        nsc = tl.load(NEW_SCORES + new_base + kk, mask=new_ok, other=float("-inf"))
+        cand = tl.where(new_ok & (nsc > float("-inf")), nid, cand)
+    else:
+        aid = tl.load(a_base + kk, mask=in_list & (k < a_cnt), other=-1)
+        cand = tl.where(in_list & (k < a_cnt), aid, cand)
+        # dilation: entry e (< m, < count) of the anchor list gives p + j and p - j, 1 <= j <= r
+        dk = w - (WS + M)
+        in_dil = (dk >= 0) & (dk < 2 * R * DIL_M)
+        e = tl.where(in_dil, dk // R2, 0)
+        jr = tl.where(in_dil, dk % R2, 0)
+        off = tl.where(jr < R, jr + 1, -(jr - R + 1))
+        p = tl.load(a_base + e, mask=in_dil & (e < a_cnt), other=-1)
+        dil = tl.where(p >= 0, p + off, -1)
+        cand = tl.where(in_dil & (e < a_cnt) & (p >= 0) & (dil >= 0), dil, cand)
+    list_end = WS + M + 2 * R * DIL_M
+    if bad:
+        cand = tl.where((w >= WS) & (w < list_end), -1, cand)
+
+    # Union: keep ids in [0, nb_seq), sort, drop repeats, write ascending.
+    x = tl.where((cand >= 0) & (cand < nb_seq) & (w < WIDTH), cand, big)
+    x = tl.sort(x)
+    scratch = SCRATCH + pid.to(tl.int64) * BLOCK_W
+    tl.store(scratch + w, x)
+    tl.debug_barrier()
+    prev = tl.load(scratch + w - 1, mask=w > 0, other=-1)
+    keep = (x < big) & (x != prev)
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+    count = tl.sum(keep.to(tl.int32), 0)
+    out = OUT_IDX + b.to(tl.int64) * stride_oi_b + h * stride_oi_h
+    tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < WIDTH))
+    tl.store(out + rank, x, mask=keep)
+    tl.store(OUT_CNT + pid, count)
+
+    # A retrieving row becomes the anchor.
+    if retrieve:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        q_ptr = (
+            Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+        )
+        q = tl.load(q_ptr, mask=mask, other=0.0).to(tl.float32)
+        a_ptr = AQ + slot * stride_aq_n + h * stride_aq_h + offs_g[:, None] * stride_aq_g
+        tl.store(a_ptr + offs_d[None, :], q, mask=mask)
+        tl.store(ALEN + slot * stride_alen_n + h * stride_alen_h, seq)
+        mi = tl.arange(0, BLOCK_M)
+        m_ok = mi < M
+        mk = tl.where(m_ok & (mi < NEW_M), mi, 0)
+        nid = tl.load(NEW_IDX + new_base + mk, mask=m_ok & (mi < NEW_M), other=-1)
+        nsc = tl.load(NEW_SCORES + new_base + mk, mask=m_ok & (mi < NEW_M), other=float("-inf"))
+        valid = nsc > float("-inf")
+        tl.store(a_base + mi, tl.where(valid, nid, -1), mask=m_ok)
+        tl.store(ACNT + slot * stride_acnt_n + h * stride_acnt_h, tl.sum(valid.to(tl.int32), 0))
+        tl.store(ALOGD + slot * stride_alogd_n + h * stride_alogd_h, 0.0)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[object, object, object]:
+    del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
+    return (
+        triton.jit(_decide_kernel),
+        triton.jit(_block_scores_kernel),
+        triton.jit(_compose_kernel),
+    )
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def cis_decide_triton(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    tau: float,
+    n_local: int,
+) -> torch.Tensor:
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    g = hq // h
+    retrieve = torch.empty(b, h, dtype=torch.bool, device=query.device)
+    decide, _, _ = _kernels(interpreting())
+    decide[(b * h,)](
+        query, anchor_q, anchor_len, slots, seq_lens, bad.contiguous().view(torch.int8),
+        retrieve.view(torch.int8),
+        query.stride(0), query.stride(1),
+        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
+        anchor_len.stride(0), anchor_len.stride(1),
+        float(tau), n_local,
+        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), num_warps=4,
+    )  # fmt: skip
+    return retrieve
+
+
+def retrieval_block_scores_triton(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    active: torch.Tensor,
+) -> torch.Tensor:
+    b, hq, _ = query.shape
+    h = kv.num_kv_heads
+    g = hq // h
+    t = kv.max_len
+    s = block_size
+    nb = -(-t // s)
+    logits, sm, sl, n_spans, block_g = score_triton.retrieval_logits_triton(
+        query, kv, scaling, active
+    )
+    scores = torch.empty(b, h, nb, dtype=torch.float32, device=query.device)
+    span_blocks = max(1, score_triton.SPAN // s)
+    per_tile = max(1, 64 // s)
+    _, block_scores, _ = _kernels(interpreting())
+    block_scores[(b * h, -(-nb // span_blocks))](
+        active.contiguous().view(torch.int8), kv.seq_lens, logits, sm, sl, scores,
+        t, nb, n_spans, n_sink, n_local,
+        HKV=h, G=g, BLOCK_G=block_g, BLOCK_S=_pow2(n_spans, 2), BS=s,
+        BLOCKS_PER_TILE=_pow2(per_tile, 1), SPAN_BLOCKS=span_blocks, num_warps=4,
+    )  # fmt: skip
+    return scores
+
+
+def cis_compose_triton(
+    query: torch.Tensor,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    new_idx: torch.Tensor,
+    new_scores: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    windows: tuple[int, int],
+) -> None:
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    g = hq // h
+    mm = anchor_idx.shape[-1]
+    ws, wl = windows
+    width = out_indices.shape[-1]
+    block_w = _pow2(ws + mm + 2 * r * m + wl, 16)
+    scratch = torch.empty(b * h, block_w, dtype=torch.int32, device=query.device)
+    new_idx = new_idx.contiguous()
+    new_scores = new_scores.contiguous()
+    if out_indices.stride(-1) != 1 or not out_counts.is_contiguous():
+        raise ValueError("the selection's buffers must be contiguous")
+    _, _, compose = _kernels(interpreting())
+    compose[(b * h,)](
+        query, retrieve.contiguous().view(torch.int8), bad.contiguous().view(torch.int8),
+        new_idx, new_scores, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta,
+        slots, seq_lens, out_indices, out_counts, scratch,
+        query.stride(0), query.stride(1),
+        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
+        anchor_len.stride(0), anchor_len.stride(1),
+        anchor_idx.stride(0), anchor_idx.stride(1),
+        anchor_cnt.stride(0), anchor_cnt.stride(1),
+        anchor_log_delta.stride(0), anchor_log_delta.stride(1),
+        out_indices.stride(0), out_indices.stride(1),
+        n_sink, n_local,
+        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
+        NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
+        BLOCK_W=block_w,
+        BS=block_size, num_warps=4,
+    )  # fmt: skip

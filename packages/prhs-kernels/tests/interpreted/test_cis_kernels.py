@@ -1,0 +1,136 @@
+"""The CIS step's Triton kernels (decide, block scores, compose) against their torch references,
+under Triton's interpreter (run by ``../test_triton.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels import paths
+from prhs_kernels.cis import (
+    cis_compose,
+    cis_decide,
+    cis_path,
+    retrieval_block_scores,
+    top_blocks,
+)
+from prhs_kernels.compose import window_widths
+
+PATH = "triton-interpreter"
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    assert paths.interpreting(), "run this folder with TRITON_INTERPRET=1 (see ../test_triton.py)"
+    monkeypatch.delenv("PRHS_KERNELS", raising=False)
+
+
+def test_path_rules():
+    assert cis_path("cpu", torch.bfloat16, 8) == PATH
+    assert cis_path("cpu", torch.bfloat16, 6) == "torch"  # blocks are tiled by powers of two
+    assert cis_path("cpu", torch.float32, 8) == "torch"
+
+
+def _anchors(n, h, g, d, m, gen):
+    """A state with random anchor fields over ``n`` slots."""
+    q = torch.randn(n, h, g, d, generator=gen)
+    length = torch.randint(0, 60, (n, h), generator=gen, dtype=torch.int32)
+    cnt = torch.randint(0, m + 1, (n, h), generator=gen, dtype=torch.int32)
+    idx = torch.stack([torch.randperm(3 * m, generator=gen)[:m] for _ in range(n * h)])
+    idx = idx.view(n, h, m).to(torch.int32)
+    idx = torch.where(torch.arange(m) < cnt.unsqueeze(-1), idx, -1)
+    logd = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    return q, length, idx, cnt, logd
+
+
+@pytest.mark.parametrize(("g", "d"), [(1, 16), (4, 32), (8, 8)])
+def test_decide_matches_the_reference(g, d):
+    gen = torch.Generator().manual_seed(g * d)
+    b, h, n = 6, 3, 9
+    aq, alen, *_ = _anchors(n, h, g, d, 4, gen)
+    slots = torch.tensor([4, 0, 8, 2, 7, 8])  # the last two rows share a slot (padding)
+    lens = torch.randint(20, 70, (b,), generator=gen, dtype=torch.int32)
+    # Half the rows close to their anchor (cos near 1), half far (cos near 0).
+    near = torch.rand(b, h, generator=gen) < 0.5
+    q_near = aq[slots] + 0.05 * torch.randn(b, h, g, d, generator=gen)
+    q = torch.where(near[..., None, None], q_near, torch.randn(b, h, g, d, generator=gen))
+    query = q.reshape(b, h * g, d).bfloat16()
+    bad = torch.rand(b, h, generator=gen) < 0.2
+    for n_local in (0, 16, 64):
+        args = (query, aq, alen, slots, lens, bad)
+        got = cis_decide(*args, tau=0.8, n_local=n_local, path=PATH)
+        want = cis_decide(*args, tau=0.8, n_local=n_local, path="torch")
+        assert got.dtype == torch.bool and torch.equal(got, want)
+    # Strided anchor views (one layer of a [N, L, H, ...] pool) are read in place.
+    pool_q = torch.randn(n, 2, h, g, d, generator=gen)
+    pool_q[:, 1] = aq
+    pool_len = torch.zeros(n, 2, h, dtype=torch.int32)
+    pool_len[:, 1] = alen
+    got = cis_decide(query, pool_q[:, 1], pool_len[:, 1], slots, lens, bad, tau=0.8, n_local=16,
+                     path=PATH)  # fmt: skip
+    assert torch.equal(got, cis_decide(*args, tau=0.8, n_local=16, path="torch"))
+
+
+@pytest.mark.parametrize(
+    ("s", "n_sink", "n_local"), [(1, 4, 8), (8, 4, 32), (4, 0, 0), (16, 20, 5)]
+)
+def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local):
+    gen = torch.Generator().manual_seed(s + n_local)
+    lens = [1300, 77, 1]
+    data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=s)
+    q = torch.randn(3, 8, 16, generator=gen).bfloat16()
+    active = torch.tensor([[True, False], [True, True], [False, True]])
+    for name, kv in data.layouts.items():
+        kw = dict(block_size=s, n_sink=n_sink, n_local=n_local)
+        got = retrieval_block_scores(q, kv, 0.25, active, **kw, path=PATH)
+        want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
+        assert got.shape == (3, 2, -(-max(lens) // s)), name
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d, n = 5, 2, 2, 16, 7
+    aq, alen, aidx, acnt, alogd = _anchors(n, h, g, d, m_blocks, gen)
+    slots = torch.tensor([3, 0, 6, 1, 6])
+    lens = torch.tensor([200, 9, 64, 1, 150], dtype=torch.int32)
+    nb = -(-int(lens.max()) // s)
+    scores = torch.rand(b, h, nb, generator=gen)
+    scores[scores < 0.3] = float("-inf")
+    new_idx, new_scores = top_blocks(scores, m_blocks)
+    retrieve = torch.rand(b, h, generator=gen) < 0.5
+    bad = (torch.rand(b, h, generator=gen) < 0.2) & ~retrieve
+    query = torch.randn(b, h * g, d, generator=gen).bfloat16()
+    ws, wl = window_widths(n_sink, n_local, s)
+    width = ws + m_blocks + 2 * r * m + wl
+    state = (aq, alen, aidx, acnt, alogd)
+    return query, retrieve, bad, new_idx, new_scores, state, slots, lens, width
+
+
+@pytest.mark.parametrize(
+    ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
+    [(8, 4, 32, 12, 4, 1), (1, 2, 6, 10, 3, 2), (4, 0, 0, 5, 5, 1), (16, 40, 3, 6, 2, 0)],
+)
+def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r):
+    results = []
+    for path in (PATH, "torch"):
+        query, retrieve, bad, new_idx, new_scores, state, slots, lens, width = _compose_case(
+            s + m, s, n_sink, n_local, m_blocks, m, r
+        )
+        out_idx = torch.full((5, 2, width), 12345, dtype=torch.int32)
+        out_cnt = torch.full((5, 2), 12345, dtype=torch.int32)
+        cis_compose(
+            query, retrieve, bad, new_idx, new_scores, *state, slots, lens,
+            n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r,
+            out_indices=out_idx, out_counts=out_cnt, path=path,
+        )  # fmt: skip
+        results.append((out_idx, out_cnt, state, slots))
+    (gi, gc, gs, slots), (wi, wc, ws_, _) = results
+    # Rows 2 and 4 share slot 6, as padded rows share the scratch slot: what they read and
+    # write there is noise by contract (one may see the other's update). The others agree.
+    rows, live = torch.tensor([0, 1, 3]), torch.tensor([3, 0, 1])
+    assert torch.equal(gc[rows], wc[rows])
+    assert torch.equal(gi[rows], wi[rows])  # ascending and distinct, -1 past the count
+    for got, want in zip(gs, ws_, strict=True):
+        assert torch.equal(got[live], want[live])
