@@ -376,8 +376,15 @@ def bench_dense(w: Workload, repeats: int) -> float:
     return time_trace(lambda t: None, run, 8, repeats) / w.layers
 
 
-def bench_new(name: str, w: Workload, steps: int, repeats: int, budget: int) -> dict[str, Any]:
-    opts = selector_options(name, budget)
+def bench_new(
+    name: str,
+    w: Workload,
+    steps: int,
+    repeats: int,
+    budget: int,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    opts = selector_options(name, budget) if options is None else options
     # ρ̂ of the trace, measured eagerly with statistics on.
     st = NewStep(name, opts, w, w.batch)
     snap = snapshot(st)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The kernels issue's GPU run in one call (what the README's benchmark command runs on a machine
+# with the packages' src on PYTHONPATH): checks at real sizes, CUDA-graph replay of every
+# selector, then the benchmark table. Results go to $OUT (or ./kernels-out).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-kernels-out}
+mkdir -p "$OUT"
+export PYTHONPATH=packages/prhs-core/src:packages/prhs-kernels/src:packages/prhs-selectors/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+timeout "${CHECK_S:-200}" python benchmarks/scripts/kernels.py check --out "$OUT/check.jsonl" >"$OUT/check.log" 2>&1
+echo "kernels check rc=$?"
+timeout "${GRAPH_S:-150}" python benchmarks/scripts/decode_step.py check --steps 16 --out "$OUT/graph.jsonl" >"$OUT/graph.log" 2>&1
+echo "graph check rc=$?"
+python - "$OUT/graph.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "selector" in r:
+        print(r["selector"], r["batch"], "graph==eager", r["graph_equals_eager"], "capture", r["capture_error"], "sync", r["sync_error"])
+PY
+timeout "${TUNE_S:-120}" python benchmarks/scripts/kernels.py tune --out "$OUT/tune.jsonl" >"$OUT/tune.log" 2>&1
+echo "tune rc=$?"
+timeout "${BENCH_S:-420}" python benchmarks/scripts/kernels.py bench --out "$OUT/bench.jsonl" "$@" >"$OUT/bench.log" 2>&1
+echo "bench rc=$?"
+tail -5 "$OUT/check.log" "$OUT/tune.log" "$OUT/bench.log" | grep -i -E "error|traceback" | head
+python benchmarks/scripts/kernels.py table "$OUT/check.jsonl" "$OUT/tune.jsonl" "$OUT/bench.jsonl"
