@@ -504,7 +504,7 @@ def profile(out: Any, names: list[str], shape: str, budget: int) -> None:
                         e.count // w.layers,
                         round(e.device_time_total / 1000 / w.layers, 4),
                     ]
-                    for e in events[:12]
+                    for e in events[:40]
                 ],
             },
         )
@@ -568,13 +568,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the logic, no graphs")
     p.add_argument("--batches", default="1,16", help="check: batch sizes")
+    p.add_argument("--selectors", default="streaming,cis,quest", help="profile: selectors")
     a = p.parse_args(argv)
     global DEV
     DEV = a.device
     out = open(a.out, "a") if a.out else None
     emit(out, {"part": "machine", "impl": a.impl, **machine()})
     if a.part == "profile":
-        profile(out, ["streaming", "cis", "quest"], a.shapes.split(",")[0], a.budget)
+        for shape in a.shapes.split(","):
+            profile(out, a.selectors.split(","), shape, a.budget)
     elif a.part == "check":
         check(out, a.steps or 64, [int(b) for b in a.batches.split(",")])
     else:

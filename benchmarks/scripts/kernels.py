@@ -248,6 +248,35 @@ def check(out: Any) -> None:
     DTYPE = torch.bfloat16
 
 
+def check_topk(out: Any) -> None:
+    """``top_blocks``' Triton kernel (active rows only) against ``torch.topk`` at real sizes."""
+    from prhs_kernels.cis import top_blocks
+
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    for rows, n, k in ((128, 8192, 128), (512, 2048, 128), (8, 16384, 1024), (64, 300, 300)):
+        x = torch.rand(rows, n, generator=gen, device=DEV)
+        x[x < 0.2] = float("-inf")
+        active = torch.rand(rows, generator=gen, device=DEV) < 0.5
+        idx, val = top_blocks(x, k, active, path="triton")
+        ref_val, ref_idx = torch.topk(x, min(k, n), dim=-1)
+        a = active
+        emit(
+            out,
+            {
+                "part": "check",
+                "op": "top_blocks (Triton, active rows)",
+                "rows": rows,
+                "n": n,
+                "k": k,
+                "values_equal": bool(torch.equal(val[a], ref_val[a])),
+                "index_sets_equal": bool(
+                    torch.equal(idx[a].sort(-1).values, ref_idx[a].int().sort(-1).values)
+                ),
+                "inactive_marked": bool((idx[~a] == -1).all()),
+            },
+        )
+
+
 def check_cis(out: Any) -> None:
     """The ``cis`` selector's fused Triton step against its torch path on the same decode trace:
     the share of (step, layer, row, KV head) selections that are equal as sets, the reuse
@@ -491,11 +520,11 @@ def tune(out: Any, b: int, t: int, hkv: int, budget: int) -> None:
     lse = torch.empty(b, hq, device=DEV)
     saved = dict(sd_triton.TUNING)
     nbytes = b * hkv * budget * D * 4
-    for s in (8, 1):
+    for s in (8,):
         sel = block_selection(b, hkv, lens, budget // s, s, gen)
         for block_n, warps, stages, waves in (
-            (64, 4, 2, 4), (64, 4, 1, 4), (64, 4, 3, 4), (128, 4, 2, 4), (128, 8, 2, 4),
-            (32, 4, 2, 4), (64, 4, 2, 8), (64, 4, 2, 2), (128, 8, 3, 8), (32, 2, 2, 8),
+            (64, 4, 2, 4), (16, 2, 2, 8), (32, 2, 2, 16), (64, 2, 2, 8), (32, 4, 2, 16),
+            (16, 4, 2, 16), (64, 8, 2, 4),
         ):  # fmt: skip
             sd_triton.TUNING.update(
                 block_n=block_n, num_warps=warps, num_stages=stages, waves=waves
@@ -510,6 +539,42 @@ def tune(out: Any, b: int, t: int, hkv: int, budget: int) -> None:
             emit(out, {"part": "tune", "B": b, "T": t, "Hkv": hkv, "s": s, **sd_triton.TUNING, **r})
     sd_triton.TUNING.clear()
     sd_triton.TUNING.update(saved)
+    if b > 1:
+        tune_retrieval(out, kv, q, b, t, hkv, gen)
+
+
+def tune_retrieval(out: Any, kv: Any, q: torch.Tensor, b: int, t: int, hkv: int, gen: Any) -> None:
+    """The retrieval's launch parameters (graph-replayed ms), every row and 10 % retrieving."""
+    from prhs_kernels.score import retrieval_probs
+    from prhs_kernels.score import triton as sc_triton
+
+    saved = dict(sc_triton.TUNING)
+    probs = torch.empty(b, hkv, t, device=DEV)
+    for frac in (1.0, 0.1):
+        n_act = max(1, round(frac * b * hkv))
+        active = torch.zeros(b * hkv, dtype=torch.bool, device=DEV)
+        active[:n_act] = True
+        active = active[torch.randperm(b * hkv, generator=gen, device=DEV)].view(b, hkv)
+        nbytes = n_act * t * D * 2
+        for span, block_t, pps, warps, stages in (
+            (1024, 64, 4, 4, 3), (256, 64, 4, 4, 3), (512, 64, 8, 4, 3), (256, 64, 8, 4, 3),
+            (1024, 128, 4, 8, 3), (512, 128, 8, 8, 3), (256, 64, 16, 4, 2), (1024, 64, 8, 4, 4),
+            (256, 128, 8, 4, 3), (2048, 64, 4, 4, 3),
+        ):  # fmt: skip
+            sc_triton.TUNING.update(
+                span=span, block_t=block_t, programs_per_sm=pps, num_warps=warps, num_stages=stages
+            )
+            try:
+                ms = graph_ms(
+                    lambda active=active: retrieval_probs(q, kv, SCALING, active, out=probs)
+                )
+                r = {"ms": ms, "K TB/s": nbytes / ms / 1e9}
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"[:200]}
+            emit(out, {"part": "tune-retrieval", "B": b, "T": t, "Hkv": hkv, "active": frac,
+                       **sc_triton.TUNING, **r})  # fmt: skip
+    sc_triton.TUNING.clear()
+    sc_triton.TUNING.update(saved)
 
 
 def step_bench(
@@ -573,6 +638,26 @@ def table(paths: list[str]) -> None:
             f"worst retrieval rel err {worst_ret}; cases with unwritten/inf mismatch: {len(bad)}"
         )
     for r in rows:
+        if r.get("part") == "tune-retrieval":
+            print(
+                "tune-retrieval",
+                {
+                    k: r.get(k)
+                    for k in (
+                        "B",
+                        "T",
+                        "Hkv",
+                        "active",
+                        "span",
+                        "block_t",
+                        "programs_per_sm",
+                        "num_warps",
+                        "num_stages",
+                        "ms",
+                        "K TB/s",
+                    )
+                },
+            )
         if r.get("part") == "tune":
             print(
                 "tune",
@@ -637,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     out = open(a.out, "a") if a.out else None
     emit(out, {"part": "machine", **machine()})
     if a.part == "check":
+        check_topk(out)
         check_cis(out)
         check(out)
     elif a.part == "tune":

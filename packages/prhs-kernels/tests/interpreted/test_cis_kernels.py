@@ -134,3 +134,20 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r):
     assert torch.equal(gi[rows], wi[rows])  # ascending and distinct, -1 past the count
     for got, want in zip(gs, ws_, strict=True):
         assert torch.equal(got[live], want[live])
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (20, 5), (100, 100), (300, 128), (64, 3)])
+def test_top_blocks_of_active_rows_match_the_reference(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.rand(6, n, generator=gen)
+    x[x < 0.3] = float("-inf")
+    x[0] = 0.5  # all tied: lower ids first
+    x[1, min(3, n - 1)] = float("nan")  # NaN counts as -inf
+    x[2] = float("-inf")
+    active = torch.tensor([True, True, True, False, True, True])
+    idx, val = top_blocks(x, k, active, path=PATH)
+    want_idx, want_val = top_blocks(x, k, path="torch")
+    assert idx.shape == (6, min(k, n)) and idx.dtype == torch.int32
+    assert torch.equal(idx[active], want_idx[active])
+    assert torch.equal(val[active], want_val[active])
+    assert (idx[~active] == -1).all() and torch.isneginf(val[~active]).all()

@@ -185,7 +185,7 @@ def test_retrieval_merges_spans(monkeypatch, make_kv):
     """Rows longer than one span (1024 positions): the spans' log-sum-exps are merged."""
     from prhs_kernels.score import triton as score_triton
 
-    lens = [score_triton.SPAN * 2 + 37, 700]
+    lens = [score_triton.TUNING["span"] * 2 + 37, 700]
     data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=9)
     q = torch.randn(2, 4, 16).bfloat16()
     active = torch.tensor([[True, False], [True, True]])

@@ -287,7 +287,7 @@ class CIS(BaseSelector):
             n_local=c.n_local,
             path=path,
         )
-        new_idx, new_scores = top_blocks(scores, self.anchor_width())
+        new_idx, new_scores = top_blocks(scores, self.anchor_width(), retrieve, path=path)
         sel = plan.selection
         cis_compose(
             query,

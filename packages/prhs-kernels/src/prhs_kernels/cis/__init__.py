@@ -119,11 +119,26 @@ def retrieval_block_scores(
     return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active)
 
 
-def top_blocks(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_blocks(
+    scores: torch.Tensor, m: int, active: torch.Tensor | None = None, *, path: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., min(m, NB)] int32, values)``: the best blocks of ``scores [..., NB]``,
-    largest first (``-inf`` values mark no block). Ties: any order on CUDA (``torch.topk``),
-    toward the lower id elsewhere (a stable sort)."""
+    largest first (``-inf`` values mark no block; a NaN score counts as ``-inf``). Ties: toward
+    the lower id, except on CUDA's torch path (``torch.topk``: any order).
+
+    On a Triton path with ``active [...]`` given and ``NB <= TOPK_MAX_N`` (16384), one program
+    per row ranks the active rows only (the others get ``-1`` / ``-inf``); otherwise every row
+    is ranked."""
     k = min(m, scores.shape[-1])
+    if active is not None:
+        check_bool_mask("active", active, tuple(scores.shape[:-1]))
+    if path.startswith("triton") and active is not None and k >= 1:
+        from prhs_kernels.cis.triton import TOPK_MAX_N, top_blocks_triton
+
+        if scores.shape[-1] <= TOPK_MAX_N:
+            announce("top_blocks", path, scores.device)
+            return top_blocks_triton(scores, k, active)
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
     if scores.device.type == "cuda":
         vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
     else:

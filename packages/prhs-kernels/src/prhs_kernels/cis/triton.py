@@ -27,7 +27,13 @@ from prhs_core.layout import KVLayout
 from prhs_kernels.paths import interpreting
 from prhs_kernels.score import triton as score_triton
 
-__all__ = ["cis_compose_triton", "cis_decide_triton", "retrieval_block_scores_triton"]
+__all__ = [
+    "TOPK_MAX_N",
+    "cis_compose_triton",
+    "cis_decide_triton",
+    "retrieval_block_scores_triton",
+    "top_blocks_triton",
+]
 
 
 def _decide_kernel(
@@ -276,13 +282,94 @@ def _compose_kernel(
         tl.store(ALOGD + slot * stride_alogd_n + h * stride_alogd_h, 0.0)
 
 
+def _topk_kernel(
+    SCORES,
+    ACTIVE,
+    OUT_IDX,
+    OUT_VAL,
+    SCRATCH,
+    n,
+    k,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Top ``k`` of one row of ``n`` scores, largest first (ties: lower index first; NaN as
+    ``-inf``), for an active row; an inactive row gets ``-1`` / ``-inf``. The row sits in
+    registers; its ``k``-th largest key is found by bisection over the 32-bit order-preserving
+    integer image of the floats, then the ``k`` entries are compacted and sorted."""
+    row = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    out_idx = OUT_IDX + row.to(tl.int64) * k + offs_k
+    out_val = OUT_VAL + row.to(tl.int64) * k + offs_k
+    if tl.load(ACTIVE + row) != 0:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(SCORES + row.to(tl.int64) * n + offs, mask=ok, other=float("-inf"))
+        x = tl.where(x != x, float("-inf"), x)
+        bits = x.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the keys = order of floats
+        key = tl.where(ok, key, -2147483648)
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):  # the largest tau with #{key >= tau} >= k
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((key >= mid).to(tl.int32), 0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        greater = ok & (key > lo)
+        tie = ok & (key == lo)
+        need = k - tl.sum(greater.to(tl.int32), 0)
+        take = greater | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+        pos = tl.cumsum(take.to(tl.int32), 0) - 1
+        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+        scratch = SCRATCH + row.to(tl.int64) * BLOCK_K
+        tl.store(scratch + pos, comp, mask=take)
+        tl.debug_barrier()
+        c = tl.load(scratch + offs_k, mask=offs_k < k, other=-9223372036854775807 - 1)
+        c = tl.sort(c, descending=True)
+        idx = 2147483647 - (c & 0xFFFFFFFF).to(tl.int32)
+        val = tl.load(SCORES + row.to(tl.int64) * n + idx, mask=offs_k < k, other=0.0)
+        val = tl.where(val != val, float("-inf"), val)
+        tl.store(out_idx, idx, mask=offs_k < k)
+        tl.store(out_val, val, mask=offs_k < k)
+    else:
+        tl.store(out_idx, tl.full([BLOCK_K], -1, tl.int32), mask=offs_k < k)
+        tl.store(out_val, tl.full([BLOCK_K], float("-inf"), tl.float32), mask=offs_k < k)
+
+
+TOPK_MAX_N = 16384
+"""Longest row the top-k kernel holds in registers; longer rows use ``torch.topk``."""
+
+
+def top_blocks_triton(
+    scores: torch.Tensor, k: int, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
+    (``k <= N <= TOPK_MAX_N``), largest first; inactive rows get ``-1`` / ``-inf``."""
+    n = scores.shape[-1]
+    rows = scores.numel() // max(n, 1)
+    scores = scores.contiguous()
+    idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
+    val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=scores.device)
+    block_k = _pow2(k, 2)
+    scratch = torch.empty(rows, block_k, dtype=torch.int64, device=scores.device)
+    block = _pow2(n, 16)
+    *_, topk = _kernels(interpreting())
+    topk[(rows,)](
+        scores, active.contiguous().view(torch.int8), idx, val, scratch, n, k,
+        BLOCK=block, BLOCK_K=block_k, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+    return idx, val
+
+
 @functools.cache
-def _kernels(interpret: bool) -> tuple[object, object, object]:
+def _kernels(interpret: bool) -> tuple[object, object, object, object]:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
     return (
         triton.jit(_decide_kernel),
         triton.jit(_block_scores_kernel),
         triton.jit(_compose_kernel),
+        triton.jit(_topk_kernel),
     )
 
 
@@ -304,7 +391,7 @@ def cis_decide_triton(
     h = anchor_len.shape[1]
     g = hq // h
     retrieve = torch.empty(b, h, dtype=torch.bool, device=query.device)
-    decide, _, _ = _kernels(interpreting())
+    decide, *_ = _kernels(interpreting())
     decide[(b * h,)](
         query, anchor_q, anchor_len, slots, seq_lens, bad.contiguous().view(torch.int8),
         retrieve.view(torch.int8),
@@ -332,13 +419,13 @@ def retrieval_block_scores_triton(
     t = kv.max_len
     s = block_size
     nb = -(-t // s)
-    logits, sm, sl, n_spans, block_g = score_triton.retrieval_logits_triton(
+    logits, sm, sl, n_spans, block_g, _ = score_triton.retrieval_logits_triton(
         query, kv, scaling, active
     )
     scores = torch.empty(b, h, nb, dtype=torch.float32, device=query.device)
-    span_blocks = max(1, score_triton.SPAN // s)
+    span_blocks = max(1, 1024 // s)  # blocks per program
     per_tile = max(1, 64 // s)
-    _, block_scores, _ = _kernels(interpreting())
+    _, block_scores, *_ = _kernels(interpreting())
     block_scores[(b * h, -(-nb // span_blocks))](
         active.contiguous().view(torch.int8), kv.seq_lens, logits, sm, sl, scores,
         t, nb, n_spans, n_sink, n_local,
@@ -383,7 +470,7 @@ def cis_compose_triton(
     new_scores = new_scores.contiguous()
     if out_indices.stride(-1) != 1 or not out_counts.is_contiguous():
         raise ValueError("the selection's buffers must be contiguous")
-    _, _, compose = _kernels(interpreting())
+    _, _, compose, _ = _kernels(interpreting())
     compose[(b * h,)](
         query, retrieve.contiguous().view(torch.int8), bad.contiguous().view(torch.int8),
         new_idx, new_scores, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta,

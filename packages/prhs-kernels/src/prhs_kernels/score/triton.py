@@ -1,7 +1,7 @@
 """Triton kernels of a retrieval's scores: the group-mean attention probability of every cached
 position, computed only for the (sequence, KV head) rows that retrieve this step.
 
-Two launches (rows are cut into spans of :data:`SPAN` positions):
+Two launches (rows are cut into spans of ``TUNING["span"]`` positions):
 
 1. ``_logits_kernel``, a persistent grid of about four programs per multiprocessor looping over
    the work items (active row, span): the active rows are listed first by a static-shape sort
@@ -30,10 +30,12 @@ from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_kernels.paths import interpreting
 from prhs_kernels.sparse_decode.triton import _multiprocessors
 
-__all__ = ["SPAN", "retrieval_logits_triton", "retrieval_probs_triton"]
+__all__ = ["TUNING", "retrieval_logits_triton", "retrieval_probs_triton"]
 
-BLOCK_T = 64
-"""Positions per tile."""
+TUNING = {"span": 1024, "block_t": 64, "programs_per_sm": 4, "num_warps": 4, "num_stages": 3}
+"""Launch parameters of the logits pass: positions per work item (a multiple of ``block_t``),
+positions per tile, persistent programs per multiprocessor, warps, pipelining depth.
+Module-level so that ``benchmarks/scripts/kernels.py tune`` can sweep them on a GPU."""
 
 
 def _logits_kernel(
@@ -197,15 +199,11 @@ def _kernels(interpret: bool) -> tuple[object, object]:
     return triton.jit(_logits_kernel), triton.jit(_probs_kernel)
 
 
-SPAN = 1024
-"""Positions per work item of the logits kernel (and per program of the probs kernel)."""
-
-
 def retrieval_logits_triton(
     query: torch.Tensor, kv: KVLayout, scaling: float, active: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """The first pass: ``(logits [B * Hkv * g, T], span max, span sum, spans, BLOCK_G)``; rows
-    not ``active`` are left unwritten."""
+    """The first pass: ``(logits [B * Hkv * g, T], span max, span sum, spans, BLOCK_G, span
+    length)``; rows not ``active`` are left unwritten."""
     b, hq, d = query.shape
     hkv = kv.num_kv_heads
     g = hq // hkv
@@ -213,7 +211,8 @@ def retrieval_logits_triton(
     dev = query.device
     if query.stride(-1) != 1:
         query = query.contiguous()
-    n_spans = max(1, -(-t_max // SPAN))
+    span, block_t = TUNING["span"], TUNING["block_t"]
+    n_spans = max(1, -(-t_max // span))
     block_g = max(16, triton.next_power_of_2(g))
     logits = torch.empty(b * hkv * g, max(t_max, 1), dtype=torch.float32, device=dev)
     sm = torch.empty(b * hkv, n_spans, block_g, dtype=torch.float32, device=dev)
@@ -243,16 +242,16 @@ def retrieval_logits_triton(
     if k.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
     logits_kernel, _ = _kernels(interpreting())
-    programs = min(b * hkv * n_spans, 4 * _multiprocessors(dev))
+    programs = min(b * hkv * n_spans, TUNING["programs_per_sm"] * _multiprocessors(dev))
     logits_kernel[(programs,)](
         query, k, order, n_active, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl,
         query.stride(0), query.stride(1), skb, skh, skt, stride_rt,
         float(scaling), t_max, b * hkv, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=BLOCK_T, SPAN=SPAN, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
-        UPCAST=interpreting(), num_warps=4,
+        BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
+        UPCAST=interpreting(), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
-    return logits, sm, sl, n_spans, block_g
+    return logits, sm, sl, n_spans, block_g, span
 
 
 def retrieval_probs_triton(
@@ -270,13 +269,13 @@ def retrieval_probs_triton(
     given = out
     if out is None or out.stride(-1) != 1:
         out = torch.empty(b, hkv, t_max, dtype=torch.float32, device=query.device)
-    logits, sm, sl, n_spans, block_g = retrieval_logits_triton(query, kv, scaling, active)
+    logits, sm, sl, n_spans, block_g, span = retrieval_logits_triton(query, kv, scaling, active)
     flags = active.reshape(-1).view(torch.uint8) if active is not None else kv.seq_lens
     _, probs_kernel = _kernels(interpreting())
     probs_kernel[(b * hkv, n_spans)](
         flags, logits, sm, sl, out, out.stride(0), out.stride(1), t_max, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, BLOCK_S=max(2, triton.next_power_of_2(n_spans)),
-        BLOCK_T=BLOCK_T, SPAN=SPAN, HAS_ACTIVE=active is not None, num_warps=4,
+        BLOCK_T=64, SPAN=span, HAS_ACTIVE=active is not None, num_warps=4,
     )  # fmt: skip
     if given is not None and given is not out:
         given.copy_(out)
