@@ -14,6 +14,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels.kv import token_locations
+from prhs_kernels.quest import page_bounds, quest_page_scores
 from prhs_kernels.topk import topk_indices
 from prhs_selectors.base import BaseSelector
 
@@ -51,33 +52,6 @@ class QuestConfig(SelectorConfig):
             )
 
 
-def page_bounds(
-    query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """Quest's upper bound of every logit in each page, per query head.
-
-    ``scaling · Σ_j max(q_j·max_j, q_j·min_j)``: each term bounds ``q_j·k_j`` for every key of
-    the page, as ``k_j ∈ [min_j, max_j]``.
-
-    Parameters
-    ----------
-    query:
-        ``[B, Hkv, g, D]`` float32.
-    kmin, kmax:
-        ``[B, Hkv, P, D]`` float32 element-wise key minimum and maximum of each page (finite).
-    scaling:
-        Logit scale.
-
-    Returns
-    -------
-    ``[B, Hkv, g, P]`` float32 bounds.
-    """
-    # q_j·max_j when q_j >= 0, q_j·min_j when q_j < 0: two matmuls instead of a [.., P, D] max.
-    pos, neg = query.clamp(min=0), query.clamp(max=0)
-    bound = torch.einsum("bhgd,bhpd->bhgp", pos, kmax) + torch.einsum("bhgd,bhpd->bhgp", neg, kmin)
-    return bound * scaling
-
-
 @selectors.register("quest", config=QuestConfig, summary="query-aware page bounds (Quest)")
 class Quest(BaseSelector):
     """Quest: keep the pages whose logit upper bound, from per-page key min/max, is largest.
@@ -97,7 +71,10 @@ class Quest(BaseSelector):
 
     The selection is the pages covering the sink and local windows plus the top
     ``max(1, k // page_size)`` other pages by bound, as a block selection with
-    ``block_size = page_size``. Layers ``< dense_layers`` are dense (``None``).
+    ``block_size = page_size``. Layers ``< dense_layers`` are dense (``None``). The scores come
+    from :func:`prhs_kernels.quest.quest_page_scores` on the path :meth:`kernel_path` names: one
+    Triton launch for fp16 / bf16 caches on CUDA, which reads each eligible page's minimum and
+    maximum once; its torch reference elsewhere.
 
     A paged KV pool must use pages of a multiple of ``page_size`` slots, so that a Quest page is
     one run of slots. Stats: never a retrieval. ``proxy_bytes`` is the metadata read: the min
@@ -174,23 +151,29 @@ class Quest(BaseSelector):
         side = state.side
         assert side is not None
         p = c.page_size
-        b, hkv = kv.batch_size, kv.num_kv_heads
+        b = kv.batch_size
         n_pages = -(-kv.max_len // p)
         first_pos = torch.arange(n_pages, device=kv.seq_lens.device) * p
         loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
-        rows = side.pages_of(loc)  # [B, P]
         row = layer - c.dense_layers
-        kmin = side["quest_kmin"][:, row][rows].transpose(1, 2).float()  # [B, Hkv, P, D]
-        kmax = side["quest_kmax"][:, row][rows].transpose(1, 2).float()
-        page_valid = (loc >= 0)[:, None, :, None]
-        q = query.reshape(b, hkv, query.shape[1] // hkv, -1).float()
-        bound = page_bounds(
-            q, torch.where(page_valid, kmin, 0.0), torch.where(page_valid, kmax, 0.0), plan.scaling
-        ).amax(2)  # [B, Hkv, P]: the group's bound
+        scores = quest_page_scores(
+            query,
+            side["quest_kmin"][:, row],  # [pages + 1, Hkv, D], views read in place
+            side["quest_kmax"][:, row],
+            side.pages_of(loc),  # [B, P]
+            kv.seq_lens,
+            bad,
+            plan.scaling,
+            page_size=p,
+            n_sink=c.n_sink,
+            n_local=c.n_local,
+            path=self.kernel_path(query.device, kv.dtype),
+        )  # [B, Hkv, P]: the group's bound, -inf where no page may be picked
+        # Top-k takes the mask too: an eligible page whose bound is NaN or -inf still counts.
         eligible = (self.block_eligible(kv, n_pages).unsqueeze(1) & ~bad.unsqueeze(-1)).expand_as(
-            bound
+            scores
         )
-        idx, _ = topk_indices(bound, self.budget_blocks(), eligible)
+        idx, _ = topk_indices(scores, self.budget_blocks(), eligible)
         sel = self.compose(plan, kv, idx)
         elem = torch.empty((), dtype=kv.dtype).element_size()
         meta = self.num_blocks(kv).view(-1, 1).to(torch.float64) * (2 * kv.head_dim * elem)

@@ -1,0 +1,82 @@
+"""Torch reference of Quest's page scoring: the logit upper bound of every page from its key
+minimum and maximum, the group's bound, and ``-inf`` where Quest may not pick a page.
+
+Readable and exact: the Triton kernel of :mod:`prhs_kernels.quest.triton` is tested against it,
+and the ``quest`` selector runs it wherever the kernel does not apply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prhs_kernels.cis.reference import block_eligible_reference
+
+__all__ = ["page_bounds", "quest_page_scores_reference"]
+
+
+def page_bounds(
+    query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Quest's upper bound of every logit in each page, per query head.
+
+    ``scaling · Σ_j max(q_j·max_j, q_j·min_j)``: each term bounds ``q_j·k_j`` for every key of
+    the page, as ``k_j ∈ [min_j, max_j]``.
+
+    Parameters
+    ----------
+    query:
+        ``[B, Hkv, g, D]`` float32.
+    kmin, kmax:
+        ``[B, Hkv, P, D]`` float32 element-wise key minimum and maximum of each page (finite).
+    scaling:
+        Logit scale.
+
+    Returns
+    -------
+    ``[B, Hkv, g, P]`` float32 bounds.
+    """
+    # q_j·max_j when q_j >= 0, q_j·min_j when q_j < 0: two matmuls instead of a [.., P, D] max.
+    pos, neg = query.clamp(min=0), query.clamp(max=0)
+    bound = torch.einsum("bhgd,bhpd->bhgp", pos, kmax) + torch.einsum("bhgd,bhpd->bhgp", neg, kmin)
+    return bound * scaling
+
+
+def quest_page_scores_reference(
+    query: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    pages: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    scaling: float,
+    page_size: int,
+    n_sink: int,
+    n_local: int,
+) -> torch.Tensor:
+    """``[B, Hkv, P]`` float32: the score Quest's top-k ranks page ``j`` of row ``b`` by.
+
+    The group's bound: the largest :func:`page_bounds` over the ``g`` query heads of KV head
+    ``h`` (an upper bound of every logit of every head of the group in the page), from the
+    page's key minimum and maximum ``kmin[pages[b, j], h]`` / ``kmax[pages[b, j], h]``
+    (``[R, Hkv, D]`` side-cache fields of one layer, any float dtype, read as float32). A NaN
+    bound (a page no finite key was folded into: ``kmin = +inf``, ``kmax = -inf``) stays NaN.
+
+    ``-inf`` where Quest may not pick the page: the page does not exist
+    (``j · page_size >= seq_lens[b]``), holds one of the first ``n_sink`` or last ``n_local``
+    positions, or the row is ``bad``. ``pages[b, j]`` is read only where the page exists.
+    """
+    b, hq, d = query.shape
+    hkv = kmin.shape[1]
+    n_pages = pages.shape[1]
+    first = torch.arange(n_pages, device=pages.device) * page_size
+    exists = first.view(1, -1) < seq_lens.long().view(-1, 1)  # [B, P]
+    rows = torch.where(exists, pages.long(), 0)
+    keep = exists[:, None, :, None]
+    lo = kmin[rows].transpose(1, 2).float()  # [B, Hkv, P, D]
+    hi = kmax[rows].transpose(1, 2).float()
+    q = query.reshape(b, hkv, hq // hkv, d).float()
+    bound = page_bounds(q, torch.where(keep, lo, 0.0), torch.where(keep, hi, 0.0), scaling)
+    bound = bound.amax(2)  # [B, Hkv, P]: the group's bound
+    ok = block_eligible_reference(seq_lens, n_pages, page_size, n_sink, n_local)
+    ok = ok.unsqueeze(1) & ~bad.unsqueeze(-1)
+    return bound.masked_fill(~ok, float("-inf"))

@@ -1,0 +1,153 @@
+"""Quest's page-scoring kernel against its torch reference, under Triton's interpreter (run by
+``../test_triton.py``): small and odd shapes (rows of length 1, lengths that are not a multiple
+of the page, several spans of pages), GQA 1 / 4 / 8, pages of 1 and 16, the side cache built
+through every layout's KV locations, bf16 and fp16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels import paths
+from prhs_kernels.kv import token_locations
+from prhs_kernels.quest import quest_page_scores
+
+PATH = "triton-interpreter"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# A page no key was folded into (+inf / -inf) gives 0·inf = NaN in both paths, by design.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    assert paths.interpreting(), "run this folder with TRITON_INTERPRET=1 (see ../test_triton.py)"
+    monkeypatch.delenv("PRHS_KERNELS", raising=False)
+
+
+def test_path_rules():
+    assert paths.kernel_path("cpu", torch.bfloat16) == PATH
+    assert paths.kernel_path("cpu", torch.float16) == PATH
+    assert paths.kernel_path("cpu", torch.float32) == "torch"
+
+
+def _side_pages(data, name: str, p: int, gen: torch.Generator, empty: int):
+    """One layer's Quest fields as a side cache holds them, built through ``name``'s KV
+    locations: ``(kmin, kmax, pages)``. ``kmin`` / ``kmax`` are strided ``[R, Hkv, D]`` views
+    (layer 1 of a two-layer field); rows no page uses hold NaN (a read of one shows), and
+    ``empty`` random existing pages hold no key (``+inf`` / ``-inf``: a NaN bound). ``pages`` is
+    ``[B, P]``, garbage where a page does not exist (it must not be read)."""
+    kv = data[name]
+    b, hkv, t, d = data.keys.shape
+    row_stride = -(-t // p) * p + p  # a page-aligned row and one spare page
+    n_loc = b * row_stride if name.startswith("contig") else kv.k_pool.shape[0]
+    n_rows = -(-n_loc // p) + 1  # the last row is scratch
+    pos = torch.arange(t).view(1, -1).expand(b, -1)
+    loc = token_locations(kv, pos, row_stride)  # [B, T], -1 past each row's end
+    kmin = torch.full((n_rows, 2, hkv, d), float("nan"), dtype=data.keys.dtype)
+    kmax = kmin.clone()
+    ok = loc >= 0
+    page = torch.where(ok, loc // p, n_rows - 1)
+    keys = torch.where(ok[:, None, :, None], data.keys, 0.0).transpose(1, 2)  # [B, T, Hkv, D]
+    at = page.view(-1, 1, 1).expand(-1, hkv, d)
+    lo, hi = kmin[:, 1], kmax[:, 1]
+    lo.index_fill_(0, page.flatten(), float("inf"))
+    hi.index_fill_(0, page.flatten(), float("-inf"))
+    lo.scatter_reduce_(0, at, keys.reshape(-1, hkv, d), "amin", include_self=True)
+    hi.scatter_reduce_(0, at, keys.reshape(-1, hkv, d), "amax", include_self=True)
+    n_pages = -(-t // p)
+    first = page[:, ::p]  # [B, P] the page row of each page's first position
+    exists = torch.arange(n_pages).view(1, -1) * p < data.seq_lens.view(-1, 1)
+    live = first[exists]
+    gone = live[torch.randperm(live.numel(), generator=gen)[:empty]]
+    lo[gone], hi[gone] = float("inf"), float("-inf")
+    garbage = torch.randint(-5, 1 << 20, first.shape, generator=gen)
+    return lo, hi, torch.where(exists, first, garbage)
+
+
+# (lens, Hq, Hkv, D, page size, n_sink, n_local)
+CASES = [
+    ([1], 4, 4, 16, 1, 0, 0),  # a row of one position, GQA 1, no windows
+    ([37, 5, 1], 8, 2, 16, 16, 4, 8),  # GQA 4, T not a multiple of the page, a row of 1
+    ([70, 3], 8, 1, 32, 1, 4, 16),  # GQA 8, pages of one position
+    ([100, 61], 4, 1, 128, 1, 1, 1),  # D 128: 32 pages a program, four spans
+    ([50, 33], 8, 2, 24, 16, 20, 0),  # D not a power of two, a sink over a page
+]
+IDS = [f"T{max(c[0])}-B{len(c[0])}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-p{c[4]}" for c in CASES]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d", "p", "n_sink", "n_local"), CASES, ids=IDS)
+def test_page_scores_match_the_reference(make_kv, dtype, lens, hq, hkv, d, p, n_sink, n_local):
+    gen = torch.Generator().manual_seed(sum(lens) + p)
+    data = make_kv(lens, hkv, d, dtype=dtype, seed=d + p)
+    b = len(lens)
+    query = torch.randn(b, hq, d, generator=gen).to(dtype)
+    bad = torch.rand(b, hkv, generator=gen) < 0.25
+    bad[0] = False
+    layouts = [n for n in data.layouts if n != "paged1" or p == 1]  # paged1: pages of 1 slot
+    for i, name in enumerate(layouts):
+        kmin, kmax, pages = _side_pages(data, name, p, gen, empty=i % 2)
+        args = (query, kmin, kmax, pages, data.seq_lens, bad, d**-0.5)
+        kw = dict(page_size=p, n_sink=n_sink, n_local=n_local)
+        got = quest_page_scores(*args, **kw, path=PATH)
+        want = quest_page_scores(*args, **kw, path="torch")
+        assert got.shape == (b, hkv, -(-max(lens) // p)) and got.dtype == torch.float32, name
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), name
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        assert bool(torch.isfinite(want[~torch.isneginf(want) & ~torch.isnan(want)]).all())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        # The same scores through int32 page rows and a query laid out with other strides.
+        q_t = query.transpose(0, 1).contiguous().transpose(0, 1)
+        got32 = quest_page_scores(q_t, kmin, kmax, pages.int(), *args[4:], **kw, path=PATH)
+        torch.testing.assert_close(got32, got, rtol=0, atol=0, equal_nan=True)
+
+
+def test_every_page_may_be_picked_without_windows_or_bad_rows(make_kv):
+    gen = torch.Generator().manual_seed(7)
+    data = make_kv([33, 16], 2, 16, dtype=torch.bfloat16, seed=3)
+    kmin, kmax, pages = _side_pages(data, "paged16", 16, gen, empty=0)
+    query = torch.randn(2, 4, 16, generator=gen).bfloat16()
+    bad = torch.zeros(2, 2, dtype=torch.bool)
+    got = quest_page_scores(
+        query, kmin, kmax, pages, data.seq_lens, bad, 0.25,
+        page_size=16, n_sink=0, n_local=0, path=PATH,
+    )  # fmt: skip
+    # Row 0 has pages 0..2 (33 positions), row 1 one page (16): the rest do not exist.
+    assert bool(torch.isfinite(got[0]).all())
+    assert bool(torch.isfinite(got[1, :, :1]).all()) and bool(torch.isneginf(got[1, :, 1:]).all())
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(query=torch.zeros(2, 4)), ValueError, "query must have 3 dimensions"),
+        (dict(kmax=torch.zeros(9, 2, 8)), ValueError, "kmin and kmax must share"),
+        (dict(kmin=torch.zeros(9, 3, 16), kmax=torch.zeros(9, 3, 16)), ValueError, "multiple"),
+        (dict(kmin=torch.zeros(9, 2, 8), kmax=torch.zeros(9, 2, 8)), ValueError, "head size"),
+        (dict(pages=torch.zeros(2, 3)), TypeError, "pages must be an integer tensor"),
+        (dict(pages=torch.zeros(3, 3, dtype=torch.int64)), ValueError, r"\[B, P\]"),
+        (dict(seq_lens=torch.ones(2, dtype=torch.int64)), TypeError, "seq_lens must be int32"),
+        (dict(bad=torch.zeros(2, 4, dtype=torch.bool)), ValueError, "bad must have shape"),
+        (dict(scaling=float("nan")), ValueError, "scaling must be finite"),
+        (dict(page_size=0), ValueError, "page_size must be >= 1"),
+        (dict(path="cuda"), ValueError, "path must be one of"),
+    ],
+)
+def test_bad_input_raises(change, error, match):
+    kw = dict(
+        query=torch.zeros(2, 4, 16, dtype=torch.bfloat16),
+        kmin=torch.zeros(9, 2, 16, dtype=torch.bfloat16),
+        kmax=torch.zeros(9, 2, 16, dtype=torch.bfloat16),
+        pages=torch.zeros(2, 3, dtype=torch.int64),
+        seq_lens=torch.ones(2, dtype=torch.int32),
+        bad=torch.zeros(2, 2, dtype=torch.bool),
+        scaling=0.25,
+        page_size=16,
+        n_sink=0,
+        n_local=0,
+        path=PATH,
+    )
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        quest_page_scores(**kw)
