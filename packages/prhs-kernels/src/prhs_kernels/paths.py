@@ -20,10 +20,18 @@ import functools
 import importlib.util
 import logging
 import os
+import sys
 
 import torch
 
-__all__ = ["HALF_DTYPES", "announce", "interpreting", "kernel_path", "triton_installed"]
+__all__ = [
+    "HALF_DTYPES",
+    "announce",
+    "interpreting",
+    "kernel_path",
+    "numba_path",
+    "triton_installed",
+]
 
 logger = logging.getLogger("prhs_kernels")
 
@@ -60,6 +68,16 @@ def kernel_path(device: torch.device | str, dtype: torch.dtype) -> str:
     if dev.type == "cpu" and interpreting():
         return "triton-interpreter"
     return "torch"
+
+
+def numba_path(device: torch.device | str) -> bool:
+    """Whether a CPU selection op with a Numba kernel (union, dilation, top-k, top-p) takes it on
+    ``device``: on the CPU, when Numba is installed (looked up, not imported) and
+    ``PRHS_KERNELS`` is not ``torch``. The kernels compile once per process at their first call
+    (``warm_up()`` in each op's ``numba`` module does it up front)."""
+    if torch.device(device).type != "cpu" or _forced_torch():
+        return False
+    return "numba" in sys.modules or importlib.util.find_spec("numba") is not None
 
 
 _announced: set[tuple[str, str, str]] = set()

@@ -1,9 +1,17 @@
 """Building a selection: sink and local windows as block lists, dilation, and the union of
-lists into one fixed-width, duplicate-free list written into a selection's buffers."""
+lists into one fixed-width, duplicate-free list written into a selection's buffers.
+
+On the CPU, :func:`dilate_indices` and :func:`union_indices` run Numba kernels with the
+references' exact outputs (:mod:`prhs_kernels.compose.numba`, chosen by
+:func:`~prhs_kernels.paths.numba_path`; ``PRHS_KERNELS=torch`` keeps the references). The first
+call compiles them (a few seconds), once per process.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -14,6 +22,7 @@ from prhs_kernels.compose.reference import (
     window_indices_reference,
     window_widths,
 )
+from prhs_kernels.paths import announce, numba_path
 
 __all__ = [
     "dilate_indices",
@@ -24,6 +33,15 @@ __all__ = [
     "window_indices_reference",
     "window_widths",
 ]
+
+
+@functools.cache
+def _numba() -> ModuleType:
+    """The Numba kernels, imported and compiled at their first use."""
+    from prhs_kernels.compose import numba as kernels
+
+    kernels.warm_up()
+    return kernels
 
 
 def window_indices(
@@ -45,6 +63,9 @@ def dilate_indices(indices: torch.Tensor, counts: torch.Tensor, m: int, r: int) 
     check_index_tensor("counts", counts, ndim=indices.ndim - 1)
     check_int("m", m, minimum=0)
     check_int("r", r, minimum=0)
+    if numba_path(indices.device):
+        announce("dilate_indices", "numba", indices.device)
+        return _numba().dilate_indices_numba(indices, counts, m, r)
     return dilate_indices_reference(indices, counts, m, r)
 
 
@@ -71,6 +92,10 @@ def union_indices(
             )
     if tuple(out_counts.shape) != (b, h):
         raise ValueError(f"out_counts must have shape [{b}, {h}], got {shape_str(out_counts)}")
-    idx, counts = union_indices_reference(parts, limit, width)
+    if numba_path(limit.device) and all(p.device == limit.device for p in parts):
+        announce("union_indices", "numba", limit.device)
+        idx, counts = _numba().union_indices_numba(parts, limit, width)
+    else:
+        idx, counts = union_indices_reference(parts, limit, width)
     out_indices.copy_(idx)
     out_counts.copy_(counts)
