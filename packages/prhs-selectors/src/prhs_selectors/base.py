@@ -40,6 +40,7 @@ from prhs_core.selection import Selection
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import union_indices, window_indices, window_widths
+from prhs_kernels.paths import kernel_path
 from prhs_kernels.score import check_query, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
@@ -156,6 +157,13 @@ class BaseSelector:
         self.init_fields(state, spec, kv_dtype)
         self.spec = spec
         return state
+
+    def kernel_path(self, device: torch.device | str, dtype: torch.dtype) -> str:
+        """The path this selector's kernels take for a cache of ``dtype`` on ``device``:
+        ``"triton"`` (CUDA, fp16/bf16), ``"triton-interpreter"`` (CPU under
+        ``TRITON_INTERPRET=1``) or ``"torch"`` (:func:`prhs_kernels.paths.kernel_path`; on the
+        CPU some selection ops take Numba kernels besides, see :doc:`/kernels`)."""
+        return kernel_path(device, dtype)
 
     def uses_side_cache(self) -> bool:
         """Whether this selector keeps metadata per KV location."""

@@ -150,11 +150,13 @@ class PrhsAttnBackend(AttentionBackend):
         self._last_logged_steps = 0
         self._last_logged_cached = 0.0
         _LIVE.add(self)
+        self.kernel_path = self.selector.kernel_path(k0.device, k0.dtype)
         logger.info(
-            "prhs-sglang: selector %s (%s), dense backend %s, KV pool %s slots, %d request rows, "
-            "state %.1f MiB, TP rank %d",
+            "prhs-sglang: selector %s (%s), kernels %s, dense backend %s, KV pool %s slots, "
+            "%d request rows, state %.1f MiB, TP rank %d",
             self.sparse.selector,
             self.selector.config,
+            self.kernel_path,
             dense_name,
             k0.shape[0],
             req_to_token.shape[0],
@@ -486,6 +488,7 @@ class PrhsAttnBackend(AttentionBackend):
         n = tot["decisions"]
         report = {
             "selector": self.sparse.selector,
+            "kernel_path": self.kernel_path,
             "tp_rank": self.tp_rank,
             "decode_steps": steps,
             "live_states": self.live_states,

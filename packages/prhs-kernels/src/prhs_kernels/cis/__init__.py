@@ -29,6 +29,7 @@ from prhs_kernels.cis.reference import (
 from prhs_kernels.compose.reference import window_widths
 from prhs_kernels.paths import announce, kernel_path
 from prhs_kernels.score import check_query, retrieval_probs
+from prhs_kernels.topk import topk_indices
 
 __all__ = [
     "block_eligible_reference",
@@ -141,10 +142,11 @@ def top_blocks(
     scores = scores.masked_fill(scores.isnan(), float("-inf"))
     if scores.device.type == "cuda":
         vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
-    else:
-        idx = torch.sort(-scores, dim=-1, stable=True).indices[..., :k]
-        vals = torch.gather(scores, -1, idx)
-    return idx.to(torch.int32), vals
+        return idx.to(torch.int32), vals
+    # The CPU: topk_indices (its Numba kernel where it applies), ties toward the lower id.
+    idx, _ = topk_indices(scores, k)
+    vals = torch.gather(scores, -1, idx.long().clamp(min=0))
+    return idx, vals.masked_fill(idx < 0, float("-inf"))
 
 
 def cis_compose(

@@ -2,7 +2,9 @@
 scores, and the composition of the selection with the anchors' update.
 
 Readable and exact: the Triton kernels of :mod:`prhs_kernels.cis.triton` are tested against
-them, and the ``cis`` selector runs them wherever the kernels do not apply.
+them, and the ``cis`` selector runs them wherever the kernels do not apply. Dilation and the
+union go through the compose launchers, so on the CPU they take their Numba kernels (exactly the
+compose references' results).
 """
 
 from __future__ import annotations
@@ -11,11 +13,8 @@ import torch
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.blocks.reference import block_reduce_reference
-from prhs_kernels.compose.reference import (
-    dilate_indices_reference,
-    union_indices_reference,
-    window_indices_reference,
-)
+from prhs_kernels.compose import dilate_indices, union_indices
+from prhs_kernels.compose.reference import window_indices_reference
 
 __all__ = [
     "block_eligible_reference",
@@ -119,9 +118,7 @@ def cis_compose_reference(
     mm = anchor_idx.shape[-1]
     a_idx, a_cnt = anchor_idx[slots], anchor_cnt[slots]
     used = torch.arange(mm, device=a_idx.device) < a_cnt.unsqueeze(-1)
-    reuse_part = torch.cat(
-        [torch.where(used, a_idx, -1), dilate_indices_reference(a_idx, a_cnt, m, r)], -1
-    )
+    reuse_part = torch.cat([torch.where(used, a_idx, -1), dilate_indices(a_idx, a_cnt, m, r)], -1)
     new_ok = new_scores > float("-inf")
     new_cnt = new_ok.sum(-1).to(torch.int32)
     new = torch.where(new_ok, new_idx, -1).to(torch.int32)
@@ -132,9 +129,7 @@ def cis_compose_reference(
     s = block_size
     sink, local = window_indices_reference(seq_lens, n_sink, n_local, s)
     n_blocks = (seq_lens + s - 1) // s
-    idx, cnt = union_indices_reference([sink, part, local], n_blocks, out_indices.shape[-1])
-    out_indices.copy_(idx)
-    out_counts.copy_(cnt)
+    union_indices([sink, part, local], n_blocks, out_indices, out_counts)
     q = query.reshape(b, h, hq // h, d).float()
     rr = retrieve
     anchor_q[slots] = torch.where(rr[..., None, None], q, anchor_q[slots])

@@ -96,6 +96,7 @@ def _block_scores_kernel(
     HKV: tl.constexpr,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    G_POW: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BS: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr,
@@ -113,7 +114,7 @@ def _block_scores_kernel(
         local_first = nb_seq
     j0 = span * SPAN_BLOCKS
     out_base = SCORES + pid.to(tl.int64) * n_blocks
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
     if active:
         offs_s = tl.arange(0, BLOCK_S)
         s_ok = offs_s < n_spans
@@ -138,11 +139,9 @@ def _block_scores_kernel(
             best = tl.max(p, 1)  # [blocks]
             ok = (j < nb_seq) & (j >= sink_end) & (j < local_first)
             tl.store(out_base + j, tl.where(ok, best, float("-inf")), mask=j < n_blocks)
-    else:
-        for jj in range(0, SPAN_BLOCKS, BLOCKS_PER_TILE):
-            j = j0 + jj + tl.arange(0, BLOCKS_PER_TILE)
-            tl.store(out_base + j, tl.full([BLOCKS_PER_TILE], float("-inf"), tl.float32),
-                     mask=j < n_blocks)  # fmt: skip
+    else:  # one store of the whole span
+        j = j0 + tl.arange(0, SPAN_BLOCKS)
+        tl.store(out_base + j, tl.full([SPAN_BLOCKS], float("-inf"), tl.float32), mask=j < n_blocks)
 
 
 def _compose_kernel(
@@ -423,13 +422,13 @@ def retrieval_block_scores_triton(
         query, kv, scaling, active
     )
     scores = torch.empty(b, h, nb, dtype=torch.float32, device=query.device)
-    span_blocks = max(1, 1024 // s)  # blocks per program
-    per_tile = max(1, 64 // s)
+    span_blocks = max(1, 1024 // s)  # blocks per program (a power of two)
+    per_tile = max(1, 256 // s)  # blocks per tile: 256 positions
     _, block_scores, *_ = _kernels(interpreting())
     block_scores[(b * h, -(-nb // span_blocks))](
         active.contiguous().view(torch.int8), kv.seq_lens, logits, sm, sl, scores,
         t, nb, n_spans, n_sink, n_local,
-        HKV=h, G=g, BLOCK_G=block_g, BLOCK_S=_pow2(n_spans, 2), BS=s,
+        HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         BLOCKS_PER_TILE=_pow2(per_tile, 1), SPAN_BLOCKS=span_blocks, num_warps=4,
     )  # fmt: skip
     return scores

@@ -3,10 +3,10 @@ position, computed only for the (sequence, KV head) rows that retrieve this step
 
 Two launches (rows are cut into spans of ``TUNING["span"]`` positions):
 
-1. ``_logits_kernel``, a persistent grid of about four programs per multiprocessor looping over
-   the work items (active row, span): the active rows are listed first by a static-shape sort
-   and counted on the device, so the work is spread over the whole GPU however few rows
-   retrieve, and no key of an inactive row is read. An item reads its span's keys once (in
+1. ``_logits_kernel``, a persistent grid of a few programs per multiprocessor looping over the
+   work items (active row, span): each program ranks the active rows by a prefix sum of their
+   flags, so the work is spread over the whole GPU however few rows retrieve, and no key of an
+   inactive row is read. An item reads its span's keys once (in
    place, contiguous or through the request-to-token table), scores them for the ``g`` query
    heads of the group in one ``tl.dot``, and writes the float32 logits and the span's running
    max and sum.
@@ -32,7 +32,7 @@ from prhs_kernels.sparse_decode.triton import _multiprocessors
 
 __all__ = ["TUNING", "retrieval_logits_triton", "retrieval_probs_triton"]
 
-TUNING = {"span": 1024, "block_t": 64, "programs_per_sm": 4, "num_warps": 4, "num_stages": 3}
+TUNING = {"span": 512, "block_t": 64, "programs_per_sm": 8, "num_warps": 4, "num_stages": 3}
 """Launch parameters of the logits pass: positions per work item (a multiple of ``block_t``),
 positions per tile, persistent programs per multiprocessor, warps, pipelining depth.
 Module-level so that ``benchmarks/scripts/kernels.py tune`` can sweep them on a GPU."""
@@ -41,8 +41,7 @@ Module-level so that ``benchmarks/scripts/kernels.py tune`` can sweep them on a 
 def _logits_kernel(
     Q,
     K,
-    ORDER,
-    NACT,
+    ACTIVE,
     LENS,
     START,
     REQ2TOK,
@@ -70,18 +69,23 @@ def _logits_kernel(
     PAGED: tl.constexpr,
     HAS_START: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # A persistent grid over the work items (active row, span): active rows come first in
-    # ORDER and NACT counts them, so no program is spent on a row that does not retrieve.
+    # A persistent grid over the work items (active row, span). Every program ranks the active
+    # rows itself (a prefix sum of the flags), so no program is spent on a row that does not
+    # retrieve and no launch is spent listing them.
     if HAS_ACTIVE:
-        n_work = tl.load(NACT) * n_spans
+        offs_r = tl.arange(0, BLOCK_R)
+        flags = tl.load(ACTIVE + offs_r, mask=offs_r < n_rows, other=0) != 0
+        rank = tl.cumsum(flags.to(tl.int32), 0) - 1
+        n_work = tl.sum(flags.to(tl.int32), 0) * n_spans
     else:
         n_work = n_rows * n_spans
     for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
         span = w % n_spans
-        if HAS_ACTIVE:
-            pid = tl.load(ORDER + w // n_spans).to(tl.int32)
+        if HAS_ACTIVE:  # the (w // n_spans)-th active row
+            pid = tl.sum(tl.where(flags & (rank == w // n_spans), offs_r, 0), 0)
         else:
             pid = w // n_spans
         b = pid // HKV
@@ -149,6 +153,7 @@ def _probs_kernel(
     HKV: tl.constexpr,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    G_POW: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPAN: tl.constexpr,
@@ -166,15 +171,15 @@ def _probs_kernel(
         active = tl.load(ACTIVE + pid) != 0
     if active:
         offs_s = tl.arange(0, BLOCK_S)
-        offs_g = tl.arange(0, BLOCK_G)
+        offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
         s_ok = offs_s < n_spans
         stat = (pid.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
-        m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))  # [BLOCK_S, BLOCK_G]
+        m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))  # [BLOCK_S, G_POW]
         l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
         m_max = tl.max(m, 0)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         total = tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0)
-        lse = m_safe + tl.log(total)  # [BLOCK_G]
+        lse = m_safe + tl.log(total)  # [G_POW]
         g_ok = offs_g < G
         row = pid.to(tl.int64) * G + offs_g
         for t0 in range(lo, hi, BLOCK_T):
@@ -218,13 +223,7 @@ def retrieval_logits_triton(
     sm = torch.empty(b * hkv, n_spans, block_g, dtype=torch.float32, device=dev)
     sl = torch.empty_like(sm)
     has_active = active is not None
-    if active is not None:
-        flat = active.reshape(-1)
-        # Active rows first (a static-shape sort: no host read of how many there are).
-        order = torch.sort((~flat).to(torch.uint8), stable=True).indices
-        n_active = flat.sum(dtype=torch.int32).reshape(1)
-    else:
-        order = n_active = kv.seq_lens  # unused
+    flags = active.reshape(-1).view(torch.int8) if active is not None else kv.seq_lens
     if isinstance(kv, ContiguousKV):
         k = kv.k
         skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
@@ -244,12 +243,13 @@ def retrieval_logits_triton(
     logits_kernel, _ = _kernels(interpreting())
     programs = min(b * hkv * n_spans, TUNING["programs_per_sm"] * _multiprocessors(dev))
     logits_kernel[(programs,)](
-        query, k, order, n_active, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl,
+        query, k, flags, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl,
         query.stride(0), query.stride(1), skb, skh, skt, stride_rt,
         float(scaling), t_max, b * hkv, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
-        UPCAST=interpreting(), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
+        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
 
@@ -274,8 +274,9 @@ def retrieval_probs_triton(
     _, probs_kernel = _kernels(interpreting())
     probs_kernel[(b * hkv, n_spans)](
         flags, logits, sm, sl, out, out.stride(0), out.stride(1), t_max, n_spans,
-        HKV=hkv, G=g, BLOCK_G=block_g, BLOCK_S=max(2, triton.next_power_of_2(n_spans)),
-        BLOCK_T=64, SPAN=span, HAS_ACTIVE=active is not None, num_warps=4,
+        HKV=hkv, G=g, BLOCK_G=block_g, G_POW=max(2, triton.next_power_of_2(g)),
+        BLOCK_S=max(2, triton.next_power_of_2(n_spans)), BLOCK_T=min(256, span),
+        SPAN=span, HAS_ACTIVE=active is not None, num_warps=4,
     )  # fmt: skip
     if given is not None and given is not out:
         given.copy_(out)
