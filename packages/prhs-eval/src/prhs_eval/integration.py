@@ -54,6 +54,8 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels import sparse_decode_attention, token_locations
+from prhs_kernels.paths import kernel_path, warm_up
+from prhs_kernels.prefill import psaw_prefill_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -408,6 +410,18 @@ class PrhsRuntime:
                 self._write_kv(held, layer, kv, self._all_positions(kv))
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
+                plan = self._planner.plan_prefill(layer, self.spec.num_layers)
+                if (
+                    plan.window_fraction > 0.0
+                    and kernel_path(query.device, query.dtype) == "triton"
+                ):
+                    # The Triton kernel never loads the keys between the sinks and a window.
+                    out, _ = psaw_prefill_attention(
+                        query.contiguous(), key.contiguous(), value.contiguous(),
+                        window_fraction=plan.window_fraction, n_sink=plan.n_sink,
+                        scaling=scale, start=start,
+                    )  # fmt: skip
+                    return out.transpose(1, 2).contiguous(), None
                 mask = self._prefill_mask(layer, attention_mask, start, tk)
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
 
@@ -514,6 +528,8 @@ def enable(
     if max_seq_len is None:
         max_seq_len = int(getattr(config, "max_position_embeddings", 0) or 32768)
     register_attention()
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    warm_up(device)  # Numba's one-time compile, here rather than inside the first decode step
     runtime = PrhsRuntime(model, sel, max_seq_len, checked)
     runtime._install()
     model._prhs_runtime = runtime

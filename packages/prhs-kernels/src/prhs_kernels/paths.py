@@ -31,6 +31,7 @@ __all__ = [
     "kernel_path",
     "numba_path",
     "triton_installed",
+    "warm_up",
 ]
 
 logger = logging.getLogger("prhs_kernels")
@@ -89,3 +90,17 @@ def announce(op: str, path: str, device: torch.device | str) -> None:
     if key not in _announced:
         _announced.add(key)
         logger.info("prhs_kernels: %s runs its %s path on %s", op, path, key[2])
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Compile, now, the Numba kernels a decode step on ``device`` will run (on the CPU: union,
+    dilation, top-k, top-p; seconds, once per process), so that no step pays for it. Does
+    nothing where they do not apply. Triton kernels compile per shape at their first launch (a
+    CUDA-graph capture's warm-up run covers them)."""
+    if not numba_path(device):
+        return
+    from prhs_kernels.compose import _numba as compose_kernels
+    from prhs_kernels.topk import _numba as topk_kernels
+
+    compose_kernels()
+    topk_kernels()

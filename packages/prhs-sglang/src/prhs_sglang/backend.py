@@ -39,6 +39,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from prhs_core.config import AttentionSpec
 from prhs_core.layout import PagedKV
 from prhs_core.plan import DecodePlan
+from prhs_kernels.paths import kernel_path, warm_up
+from prhs_kernels.prefill import psaw_prefill_attention
 from prhs_kernels.sparse_decode import sparse_decode_attention
 from prhs_sglang.config import SparseAttnConfig, SparseConfigError
 
@@ -150,7 +152,9 @@ class PrhsAttnBackend(AttentionBackend):
         self._last_logged_steps = 0
         self._last_logged_cached = 0.0
         _LIVE.add(self)
-        self.kernel_path = self.selector.kernel_path(k0.device, k0.dtype)
+        named = getattr(self.selector, "kernel_path", None)  # selectors not built on BaseSelector
+        self.kernel_path = named(k0.device, k0.dtype) if named else kernel_path(k0.device, k0.dtype)
+        warm_up(k0.device)  # Numba's one-time compile on the CPU, before the first request
         logger.info(
             "prhs-sglang: selector %s (%s), kernels %s, dense backend %s, KV pool %s slots, "
             "%d request rows, state %.1f MiB, TP rank %d",
@@ -385,10 +389,17 @@ class PrhsAttnBackend(AttentionBackend):
             kk = k_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vv = v_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)
             qq = qv[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            mask = plan.attention_mask(total, qv.device, first_row=p)  # [n, total]
-            o = scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=mask, scale=layer.scaling, enable_gqa=hq != kk.shape[1]
-            )
+            if self.kernel_path == "triton":  # skips the keys between sinks and windows
+                o, _ = psaw_prefill_attention(
+                    qq.contiguous(), kk.contiguous(), vv.contiguous(),
+                    window_fraction=plan.window_fraction, n_sink=plan.n_sink,
+                    scaling=layer.scaling,
+                )  # fmt: skip
+            else:
+                mask = plan.attention_mask(total, qv.device, first_row=p)  # [n, total]
+                o = scaled_dot_product_attention(
+                    qq, kk, vv, attn_mask=mask, scale=layer.scaling, enable_gqa=hq != kk.shape[1]
+                )
             out[start : start + n] = o.squeeze(0).transpose(0, 1)
             start += n
         return out.reshape(qv.shape[0], hq * layer.v_head_dim)
