@@ -277,10 +277,10 @@ def check_topk(out: Any) -> None:
         )
 
 
-def check_cis(out: Any) -> None:
-    """The ``cis`` selector's fused Triton step against its torch path on the same decode trace:
-    the share of (step, layer, row, KV head) selections that are equal as sets, the reuse
-    decisions, and the attention outputs."""
+def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
+    """A selector's Triton step against its torch path on the same decode trace: the share of
+    (step, layer, row, KV head) selections that are equal as sets, of equal retrieval decisions,
+    and the attention outputs."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import decode_step as ds
 
@@ -293,7 +293,7 @@ def check_cis(out: Any) -> None:
     for path in ("torch", "auto"):
         os.environ["PRHS_KERNELS"] = path
         w = ds.Workload(len(lens), lens, layers=layers, steps=steps, drift=0.03, seed=21)
-        st = ds.NewStep("cis", {"budget": 256}, w, w.batch, stats=True)
+        st = ds.NewStep(name, options, w, w.batch, stats=True)
         masks, outs, retrieved = [], [], []
         for t in range(steps):
             st.load(t)
@@ -320,7 +320,7 @@ def check_cis(out: Any) -> None:
         out,
         {
             "part": "check",
-            "op": "cis step: fused Triton vs torch path",
+            "op": f"{name} step: Triton vs torch path",
             "paths": [p0, p1],
             "steps": steps,
             "layers": layers,
@@ -723,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(out, {"part": "machine", **machine()})
     if a.part == "check":
         check_topk(out)
-        check_cis(out)
+        check_selector_paths(out, "cis", {"budget": 256})
+        check_selector_paths(out, "quest", {"budget": 256, "dense_layers": 0})
         check(out)
     elif a.part == "tune":
         for item in a.step_shapes.split(","):

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 timeout "${CHECK_S:-200}" python benchmarks/scripts/kernels.py check --out "$OUT/check.jsonl" >"$OUT/check.log" 2>&1
 echo "kernels check rc=$?"
-timeout "${GRAPH_S:-150}" python benchmarks/scripts/decode_step.py check --steps 16 --out "$OUT/graph.jsonl" >"$OUT/graph.log" 2>&1
+timeout "${GRAPH_S:-150}" python benchmarks/scripts/decode_step.py check --steps "${GRAPH_STEPS:-16}" --batches "${GRAPH_BATCHES:-1,16}" --out "$OUT/graph.jsonl" >"$OUT/graph.log" 2>&1
 echo "graph check rc=$?"
 python - "$OUT/graph.jsonl" <<'PY'
 import json, sys
@@ -20,9 +20,13 @@ for line in open(sys.argv[1]):
     if "selector" in r:
         print(r["selector"], r["batch"], "graph==eager", r["graph_equals_eager"], "capture", r["capture_error"], "sync", r["sync_error"])
 PY
-timeout "${TUNE_S:-120}" python benchmarks/scripts/kernels.py tune --out "$OUT/tune.jsonl" >"$OUT/tune.log" 2>&1
-echo "tune rc=$?"
+if [[ "${TUNE_S:-120}" != 0 ]]; then
+    timeout "${TUNE_S:-120}" python benchmarks/scripts/kernels.py tune --out "$OUT/tune.jsonl" >"$OUT/tune.log" 2>&1
+    echo "tune rc=$?"
+fi
 timeout "${BENCH_S:-420}" python benchmarks/scripts/kernels.py bench --out "$OUT/bench.jsonl" "$@" >"$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-tail -5 "$OUT/check.log" "$OUT/tune.log" "$OUT/bench.log" | grep -i -E "error|traceback" | head
-python benchmarks/scripts/kernels.py table "$OUT/check.jsonl" "$OUT/tune.jsonl" "$OUT/bench.jsonl"
+for f in check tune bench; do
+    [[ -f "$OUT/$f.log" ]] && tail -n 5 "$OUT/$f.log" | grep -i -E "error|traceback" | head -n 3
+done
+python benchmarks/scripts/kernels.py table $(ls "$OUT"/check.jsonl "$OUT"/tune.jsonl "$OUT"/bench.jsonl 2>/dev/null)
