@@ -5,11 +5,16 @@
 - :mod:`prhs_kernels.topk` -- top-k / top-p into fixed-width index lists;
 - :mod:`prhs_kernels.blocks` -- block reductions;
 - :mod:`prhs_kernels.compose` -- windows, dilation and union into a selection's buffers;
-- :mod:`prhs_kernels.sparse_decode` -- attention over a selection.
+- :mod:`prhs_kernels.sparse_decode` -- attention over a selection;
+- :mod:`prhs_kernels.cis` -- the CIS step (decide, block scores, top-k, compose);
+- :mod:`prhs_kernels.quest` -- Quest's page scores;
+- :mod:`prhs_kernels.prefill` -- PSAW prefill attention;
+- :mod:`prhs_kernels.paths` -- which path an op takes, and the Numba warm-up.
 
 Every op keeps shapes static and reads no device value on the host, so a decode step built from
-them can be captured in a CUDA graph. Today every op runs its torch reference; Triton (GPU) and
-Numba (CPU) paths come next, tested against the same references.
+them can be captured in a CUDA graph. Paths: Triton kernels on CUDA for fp16/bf16 caches, Numba
+kernels on the CPU for top-k, top-p, dilation and union, the torch reference elsewhere; every
+fast path is tested against its reference.
 """
 
 from prhs_kernels.blocks import block_reduce

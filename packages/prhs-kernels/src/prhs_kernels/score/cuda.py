@@ -1,8 +1,9 @@
 """CUDA path of exact scoring for half-precision caches: one batched matmul that reads K in the
 cache dtype and accumulates (and returns) float32, with no float32 copy of the keys.
 
-Tested against :func:`prhs_kernels.score.reference.score_keys_reference` on the GPU; the fused
-Triton retrieval (scoring only the heads that retrieve, with top-k) replaces it.
+Tested against :func:`prhs_kernels.score.reference.score_keys_reference` on the GPU. Retrieval
+on the Triton path uses :func:`prhs_kernels.score.retrieval_probs` instead (the retrieving rows
+only); ``score_keys`` still serves the certified quantities and the metrics.
 """
 
 from __future__ import annotations

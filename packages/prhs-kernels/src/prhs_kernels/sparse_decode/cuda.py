@@ -4,7 +4,7 @@ float32 copy of the keys or values. The probabilities enter the second product i
 dtype (bf16/fp16), so the output matches the float32 reference to bf16 operand precision.
 
 Tested against :func:`prhs_kernels.sparse_decode.reference.sparse_decode_attention_reference`
-on the GPU; the Triton kernel (one read of each selected row, split-K, no gather) replaces it.
+on the GPU. It runs where the Triton kernel does not (``PRHS_KERNELS=torch``, no Triton).
 """
 
 from __future__ import annotations
