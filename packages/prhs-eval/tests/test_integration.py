@@ -135,6 +135,47 @@ def test_psaw_prefill_mask_follows_the_plan_per_left_padded_row(make_tiny):
         runtime.disable()
 
 
+def test_windowed_prefill_attention_is_the_masked_attention(make_tiny, monkeypatch):
+    """Windowed layers attend through prhs_kernels.prefill.psaw_prefill_attention (only the
+    sink and window keys), which equals SDPA under the integration's per-row mask on every
+    non-padding row; layers with no window keep SDPA."""
+    import prhs_eval.integration as integration
+    from prhs_kernels.prefill import psaw_prefill_attention
+
+    model = make_tiny("llama")
+    runtime = prhs_eval.enable(model, "psaw", start_layer=1, phi=0.3, n_sink=2)
+    try:
+        t, start = 20, torch.tensor([0, 7])
+        valid = torch.arange(t).view(1, -1) >= start.view(-1, 1)
+        base = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t) & valid.view(2, 1, 1, t)
+        plan = runtime.selector.plan_prefill(3, 4)
+        assert plan.window_fraction > 0.0
+        mask = runtime._prefill_mask(3, base, start, t)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, t, 8, generator=g) for _ in range(3))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+        got, _ = psaw_prefill_attention(
+            q, k, v, window_fraction=plan.window_fraction, n_sink=plan.n_sink, scaling=0.3,
+            start=start,
+        )  # fmt: skip
+        rows = valid.view(2, 1, t, 1).expand_as(got)
+        torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-6)
+
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(kwargs["window_fraction"])
+            return psaw_prefill_attention(*args, **kwargs)
+
+        monkeypatch.setattr(integration, "psaw_prefill_attention", counting)
+        with torch.no_grad():
+            model(**_batch(128, [20, 13]))
+        windowed = [runtime.selector.plan_prefill(i, 4).window_fraction for i in range(4)]
+        assert sorted(calls) == sorted(f for f in windowed if f > 0.0) and calls
+    finally:
+        runtime.disable()
+
+
 def test_etf_freezes_the_planned_prefix(make_tiny):
     model = make_tiny("llama")
     runtime = prhs_eval.enable(model, "etf", start_layer=1, psi=0.5)

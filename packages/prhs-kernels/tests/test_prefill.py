@@ -60,3 +60,37 @@ def test_bad_input_is_rejected():
         psaw_prefill_attention(q.double(), k, k, **kw)
     with pytest.raises(ValueError, match="start must be"):
         psaw_prefill_attention(q, k, k, start=torch.zeros(2, dtype=torch.int32), **kw)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256])
+@pytest.mark.parametrize(
+    ("f", "n_sink", "tq", "tk", "padded"),
+    [
+        (0.5, 4, 40, 40, True),
+        (0.0, 0, 33, 33, True),
+        (0.8, 3, 12, 45, False),
+        (0.9, 70, 50, 50, True),
+    ],
+)
+def test_chunked_path_equals_the_reference(chunk, f, n_sink, tq, tk, padded):
+    from prhs_kernels.prefill import (
+        psaw_prefill_attention_chunked,
+        psaw_prefill_attention_reference,
+    )
+
+    gen = torch.Generator().manual_seed(tq + chunk)
+    q = torch.randn(3, 4, tq, 8, generator=gen)
+    k = torch.randn(3, 2, tk, 8, generator=gen)
+    v = torch.randn(3, 2, tk, 8, generator=gen)
+    start = torch.tensor([0, 9, tk]) if padded else None  # row 2: padding only
+    got = psaw_prefill_attention_chunked(q, k, v, start, f, n_sink, 0.3, chunk=chunk)
+    want = psaw_prefill_attention_reference(q, k, v, start, f, n_sink, 0.3)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    # Through SDPA per chunk (no lse): the same output on every row that is not padding.
+    out, lse = psaw_prefill_attention_chunked(
+        q, k, v, start, f, n_sink, 0.3, chunk=chunk, with_lse=False
+    )
+    assert lse is None
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)

@@ -54,7 +54,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels import sparse_decode_attention, token_locations
-from prhs_kernels.paths import kernel_path, warm_up
+from prhs_kernels.paths import warm_up
 from prhs_kernels.prefill import psaw_prefill_attention
 
 __all__ = [
@@ -411,15 +411,13 @@ class PrhsRuntime:
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
                 plan = self._planner.plan_prefill(layer, self.spec.num_layers)
-                if (
-                    plan.window_fraction > 0.0
-                    and kernel_path(query.device, query.dtype) == "triton"
-                ):
-                    # The Triton kernel never loads the keys between the sinks and a window.
+                if plan.window_fraction > 0.0:
+                    # Only the sink and window keys are read (Triton on CUDA, chunks of rows
+                    # elsewhere), not the causal square a mask would cost.
                     out, _ = psaw_prefill_attention(
                         query.contiguous(), key.contiguous(), value.contiguous(),
                         window_fraction=plan.window_fraction, n_sink=plan.n_sink,
-                        scaling=scale, start=start,
+                        scaling=scale, start=start, with_lse=False,
                     )  # fmt: skip
                     return out.transpose(1, 2).contiguous(), None
                 mask = self._prefill_mask(layer, attention_mask, start, tk)

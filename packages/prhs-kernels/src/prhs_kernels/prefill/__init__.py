@@ -5,8 +5,9 @@ plus the first ``n_sink`` positions (the per-layer window of
 :func:`psaw_prefill_attention` checks its inputs and takes the path
 :func:`~prhs_kernels.paths.kernel_path` names: the Triton kernel of :mod:`.triton` (CUDA,
 fp16/bf16; the interpreter under ``TRITON_INTERPRET=1``), which never loads the keys between the
-sinks and a row tile's windows, or the float32 torch reference (:mod:`.reference`), which builds
-the mask.
+sinks and a row tile's windows, or, elsewhere, a float32 torch path that takes 256 query rows at
+a time over the keys they may read (:func:`.reference.psaw_prefill_attention_chunked`), both
+tested against the reference, which builds the whole mask.
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ import torch
 
 from prhs_core.checks import check_device, check_float_tensor, check_int, shape_str
 from prhs_kernels.paths import announce, kernel_path
-from prhs_kernels.prefill.reference import psaw_allowed, psaw_prefill_attention_reference
+from prhs_kernels.prefill.reference import (
+    psaw_allowed,
+    psaw_prefill_attention_chunked,
+    psaw_prefill_attention_reference,
+)
 
-__all__ = ["psaw_allowed", "psaw_prefill_attention", "psaw_prefill_attention_reference"]
+__all__ = [
+    "psaw_allowed",
+    "psaw_prefill_attention",
+    "psaw_prefill_attention_chunked",
+    "psaw_prefill_attention_reference",
+]
 
 
 def psaw_prefill_attention(
@@ -30,12 +40,15 @@ def psaw_prefill_attention(
     scaling: float,
     start: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [B, Hq, Tq, Dv], lse [B, Hq, Tq] float32)``: PSAW prefill attention of ``query
     [B, Hq, Tq, D]`` over ``key`` / ``value [B, Hkv, Tk, D]`` (``Tq <= Tk``: the query rows are
     the last ``Tq`` stored rows, the earlier ones a cached prefix). ``start [B]`` int: storage
     index of each row's logical position 0 (left padding; ``None``: 0). Padding rows and rows
-    that read nothing get 0 and ``lse = -inf``. ``out`` is written in place when given."""
+    that read nothing get 0 and ``lse = -inf``. ``out`` is written in place when given.
+    ``with_lse=False`` lets the torch path run each chunk through SDPA (faster on the CPU) and
+    return ``None`` for ``lse``; the Triton path always returns it."""
     check_float_tensor("query", query, ndim=4)
     check_float_tensor("key", key, ndim=4)
     check_float_tensor("value", value, ndim=4)
@@ -74,8 +87,8 @@ def psaw_prefill_attention(
         return psaw_prefill_attention_triton(
             query, key, value, st, window_fraction, n_sink, scaling, out
         )
-    o, lse = psaw_prefill_attention_reference(
-        query, key, value, start, window_fraction, n_sink, scaling
+    o, lse = psaw_prefill_attention_chunked(
+        query, key, value, start, window_fraction, n_sink, scaling, with_lse=with_lse
     )
     if out is not None:
         out.copy_(o)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["psaw_allowed", "psaw_prefill_attention_reference"]
+__all__ = ["psaw_allowed", "psaw_prefill_attention_chunked", "psaw_prefill_attention_reference"]
 
 
 def psaw_allowed(
@@ -65,3 +65,60 @@ def psaw_prefill_attention_reference(
     p = torch.exp(logits - torch.where(empty, 0.0, lse).unsqueeze(-1)).masked_fill(~ok, 0.0)
     out = torch.einsum("bhqk,bhkd->bhqd", p, v)
     return out.to(query.dtype), lse
+
+
+def psaw_prefill_attention_chunked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: torch.Tensor | None,
+    window_fraction: float,
+    n_sink: int,
+    scaling: float,
+    chunk: int = 512,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`psaw_prefill_attention_reference`'s result, ``chunk`` query rows at a time over
+    only the keys those rows may read (the sinks below the chunk's smallest window start, and
+    the windows up to its last row), so its work follows the kept part of the square, not the
+    square. The torch path of :func:`prhs_kernels.prefill.psaw_prefill_attention`; the host
+    reads ``start`` (a prefill's metadata, not a decode step's). With ``with_lse=False`` each
+    chunk goes through SDPA with its boolean mask (torch's fused CPU kernel; float32 inside,
+    ``lse`` ``None``); otherwise through float32 einsums that also give ``lse``."""
+    b, hq, tq, _ = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    g = hq // hkv
+    dev = query.device
+    out = torch.zeros(b, hq, tq, value.shape[-1], dtype=query.dtype, device=dev)
+    lse = torch.full((b, hq, tq), -math.inf, dtype=torch.float32, device=dev) if with_lse else None
+    starts = [0] * b if start is None else [int(s) for s in start.tolist()]
+    for bi, s0 in enumerate(starts):
+        first = max(tk - tq, s0)  # storage index of the first query row that is not padding
+        for r0 in range(first - (tk - tq), tq, chunk):
+            r1 = min(r0 + chunk, tq)
+            t0, t1 = tk - tq + r0 - s0, tk - tq + r1 - 1 - s0  # logical positions of the rows
+            lo_min = math.floor(window_fraction * t0) if window_fraction > 0.0 else 0
+            sinks = torch.arange(min(n_sink, lo_min), device=dev)
+            keys = torch.cat([sinks, torch.arange(lo_min, t1 + 1, device=dev)])
+            qpos = torch.arange(t0, t1 + 1, device=dev)
+            ok = psaw_allowed(qpos, keys, window_fraction, n_sink)  # [rows, keys]
+            idx = keys + s0
+            if lse is None:
+                out[bi, :, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+                    query[bi : bi + 1, :, r0:r1],
+                    key[bi : bi + 1][:, :, idx],
+                    value[bi : bi + 1][:, :, idx],
+                    attn_mask=ok,
+                    scale=scaling,
+                    enable_gqa=g > 1,
+                )[0]
+                continue
+            k = key[bi][:, idx].float().repeat_interleave(g, dim=0)  # [Hq, n, D]
+            v = value[bi][:, idx].float().repeat_interleave(g, dim=0)
+            logits = torch.einsum("hqd,hkd->hqk", query[bi, :, r0:r1].float(), k) * scaling
+            logits = logits.masked_fill(~ok, -math.inf)
+            lse_c = torch.logsumexp(logits, dim=-1)
+            p = torch.exp(logits - lse_c.unsqueeze(-1))  # every row reads at least itself
+            out[bi, :, r0:r1] = torch.einsum("hqk,hkd->hqd", p, v).to(query.dtype)
+            lse[bi, :, r0:r1] = lse_c
+    return out, lse
