@@ -421,6 +421,11 @@ class PrhsRuntime:
                     )  # fmt: skip
                     return out.transpose(1, 2).contiguous(), None
                 mask = self._prefill_mask(layer, attention_mask, start, tk)
+            if tq == tk and mask is not None and not bool(start.any()):
+                # No padding: the mask is plain causal. Without it SDPA takes its fused causal
+                # kernel (transformers passes prhs's attention a materialised mask, which would
+                # send SDPA to its math path: ~30 % of a CPU prefill).
+                mask = None
             return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
 
         held = getattr(self._cache, _STATE_ATTR, None)
