@@ -55,20 +55,30 @@ def test_decide_matches_the_reference(g, d):
     q_near = aq[slots] + 0.05 * torch.randn(b, h, g, d, generator=gen)
     q = torch.where(near[..., None, None], q_near, torch.randn(b, h, g, d, generator=gen))
     query = q.reshape(b, h * g, d).bfloat16()
-    bad = torch.rand(b, h, generator=gen) < 0.2
+    # Non-finite queries: a NaN in one head of a group, an infinity in another group.
+    query[1, 0, 3] = float("nan")
+    query[4, g * 2 - 1, 0] = float("-inf")
+    want_bad = torch.zeros(b, h, dtype=torch.bool)
+    want_bad[1, 0] = want_bad[4, 1] = True
     for n_local in (0, 16, 64):
-        args = (query, aq, alen, slots, lens, bad)
-        got = cis_decide(*args, tau=0.8, n_local=n_local, path=PATH)
-        want = cis_decide(*args, tau=0.8, n_local=n_local, path="torch")
-        assert got.dtype == torch.bool and torch.equal(got, want)
+        args = (query, aq, alen, slots, lens)
+        count = torch.zeros(1, dtype=torch.int64)
+        got, bad = cis_decide(*args, tau=0.8, n_local=n_local, nonfinite=count, path=PATH)
+        want, bad_ref = cis_decide(*args, tau=0.8, n_local=n_local, path="torch")
+        assert got.dtype == torch.bool and bad.dtype == torch.bool
+        assert torch.equal(got, want) and torch.equal(bad, bad_ref)
+        assert torch.equal(bad, want_bad) and not (got & bad).any()
+        assert count.item() == 2
+        if n_local == 64:  # both outcomes occur
+            assert 0 < got.sum() < got.numel() - 2
     # Strided anchor views (one layer of a [N, L, H, ...] pool) are read in place.
     pool_q = torch.randn(n, 2, h, g, d, generator=gen)
     pool_q[:, 1] = aq
     pool_len = torch.zeros(n, 2, h, dtype=torch.int32)
     pool_len[:, 1] = alen
-    got = cis_decide(query, pool_q[:, 1], pool_len[:, 1], slots, lens, bad, tau=0.8, n_local=16,
-                     path=PATH)  # fmt: skip
-    assert torch.equal(got, cis_decide(*args, tau=0.8, n_local=16, path="torch"))
+    got, _ = cis_decide(query, pool_q[:, 1], pool_len[:, 1], slots, lens, tau=0.8, n_local=16,
+                        path=PATH)  # fmt: skip
+    assert torch.equal(got, cis_decide(*args, tau=0.8, n_local=16, path="torch")[0])
 
 
 @pytest.mark.parametrize(
@@ -144,6 +154,13 @@ def test_top_blocks_of_active_rows_match_the_reference(n, k):
     x[0] = 0.5  # all tied: lower ids first
     x[1, min(3, n - 1)] = float("nan")  # NaN counts as -inf
     x[2] = float("-inf")
+    # Keys that share their upper bytes (a few ulps apart around 0.25), and signed values with
+    # infinities: the radix select must resolve every byte, and order negatives correctly.
+    ulps = (torch.randperm(n, generator=gen) % 300).to(torch.int32)
+    x[4] = (torch.full((n,), 0.25).view(torch.int32) + ulps).view(torch.float32)
+    x[5] = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n)
+    x[5, ::7] = -x[5, ::7].abs()
+    x[5, n // 2] = float("inf")
     active = torch.tensor([True, True, True, False, True, True])
     idx, val = top_blocks(x, k, active, path=PATH)
     want_idx, want_val = top_blocks(x, k, path="torch")

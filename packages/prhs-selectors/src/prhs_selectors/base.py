@@ -41,7 +41,7 @@ from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import union_indices, window_indices, window_widths
 from prhs_kernels.paths import kernel_path
-from prhs_kernels.score import check_query, retrieval_probs
+from prhs_kernels.score import check_query, nonfinite_rows, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
 __all__ = ["ROW_STRIDE_ALIGN", "BaseSelector", "group_probs", "nonfinite_rows"]
@@ -54,13 +54,6 @@ locations and of the selector's side-cache page size, so every row starts on a p
 def group_probs(logits: torch.Tensor) -> torch.Tensor:
     """``[B, Hkv, T]``: the group-mean attention probability of ``logits [B, Hkv, g, T]``."""
     return torch.softmax(logits, dim=-1).mean(2)
-
-
-def nonfinite_rows(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[B, Hkv]`` bool: KV heads whose group of queries holds a non-finite value."""
-    b, hq, _ = query.shape
-    bad = ~torch.isfinite(query).all(-1)  # [B, Hq]
-    return bad.view(b, num_kv_heads, hq // num_kv_heads).any(-1)
 
 
 class BaseSelector:
@@ -261,9 +254,17 @@ class BaseSelector:
             if not torch.equal(kv.seq_lens.cpu(), plan.seq_lens.cpu()):
                 raise ValueError("kv.seq_lens differ from the plan's: build kv from plan.seq_lens")
             check_values_finite("query", query, where=f" (layer {layer})")
+        if self.finds_nonfinite_queries():
+            return self.select_layer(plan, layer, query, kv, state, None)
         bad = nonfinite_rows(query, kv.num_kv_heads)
         state.nonfinite.add_(bad.sum())
         return self.select_layer(plan, layer, query, kv, state, bad)
+
+    def finds_nonfinite_queries(self) -> bool:
+        """Whether :meth:`select_layer` finds and counts the rows with a non-finite query itself
+        (inside its first kernel, saving the separate check's launches); then it is passed
+        ``bad=None``."""
+        return False
 
     def select_layer(
         self,
@@ -272,9 +273,10 @@ class BaseSelector:
         query: torch.Tensor,
         kv: KVLayout,
         state: SelectorState,
-        bad: torch.Tensor,
+        bad: torch.Tensor | None,
     ) -> Selection | None:
-        """The method itself (inputs checked; ``bad [B, Hkv]`` marks skipped rows)."""
+        """The method itself (inputs checked; ``bad [B, Hkv]`` marks skipped rows, already
+        counted in ``state.nonfinite``; ``None`` when :meth:`finds_nonfinite_queries`)."""
         raise NotImplementedError
 
     def write_kv(

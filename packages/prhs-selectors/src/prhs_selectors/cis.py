@@ -237,11 +237,16 @@ class CIS(BaseSelector):
         query: torch.Tensor,
         kv: KVLayout,
         state: SelectorState,
-        bad: torch.Tensor,
+        bad: torch.Tensor | None,
     ) -> Selection | None:
         if self.config.certified:
+            assert bad is not None
             return self._select_certified(plan, layer, query, kv, state, bad)
-        return self._select_paper(plan, layer, query, kv, state, bad)
+        return self._select_paper(plan, layer, query, kv, state)
+
+    def finds_nonfinite_queries(self) -> bool:
+        """Paper mode: :func:`prhs_kernels.cis.cis_decide` finds and counts them."""
+        return not self.config.certified
 
     def kernel_path(self, device: torch.device | str, dtype: torch.dtype) -> str:
         """The path of the paper-mode step (:func:`prhs_kernels.cis.cis_path`): ``"triton"``
@@ -258,7 +263,6 @@ class CIS(BaseSelector):
         query: torch.Tensor,
         kv: KVLayout,
         state: SelectorState,
-        bad: torch.Tensor,
     ) -> Selection:
         """Paper mode through :mod:`prhs_kernels.cis`: decide, score the retrieving rows' blocks,
         take their top ``k/s``, compose and update the anchors."""
@@ -266,15 +270,15 @@ class CIS(BaseSelector):
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
         anchor = {n: pool[n][:, layer] for n in _ANCHOR_FIELDS}
-        retrieve = cis_decide(
+        retrieve, bad = cis_decide(
             query,
             anchor["anchor_q"],
             anchor["anchor_len"],
             slots,
             kv.seq_lens,
-            bad,
             tau=c.tau,
             n_local=c.n_local,
+            nonfinite=state.nonfinite,
             path=path,
         )
         scores = retrieval_block_scores(

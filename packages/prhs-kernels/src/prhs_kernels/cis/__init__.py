@@ -1,7 +1,8 @@
 """The CIS step's ops (paper mode), each a checked launcher over a torch reference:
 
 - :func:`cis_decide` -- which (sequence, KV head) rows retrieve: the anchor's age and the cosine
-  of the group's queries with the anchor's;
+  of the group's queries with the anchor's; rows with a non-finite query are found (and
+  counted) here too;
 - :func:`retrieval_block_scores` -- a retrieval's block scores (largest group probability per
   block), ``-inf`` where top-k may not pick; keys are read for the retrieving rows only;
 - :func:`top_blocks` -- the ``M`` best blocks by score, largest first;
@@ -68,13 +69,15 @@ def cis_decide(
     anchor_len: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
     *,
     tau: float,
     n_local: int,
+    nonfinite: torch.Tensor | None = None,
     path: str = "torch",
-) -> torch.Tensor:
-    """``[B, Hkv]`` bool: the rows that retrieve (see :func:`.reference.cis_decide_reference`).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(retrieve, bad)``, ``[B, Hkv]`` bool each: the rows that retrieve, and the rows skipped
+    because their group's queries hold a non-finite value, counted into ``nonfinite`` (one
+    int64 element) when given (see :func:`.reference.cis_decide_reference`).
 
     ``anchor_q [N, Hkv, g, D]`` float32 and ``anchor_len [N, Hkv]`` int32 are one layer's
     anchor fields (rows by state slot, strided views allowed); ``slots [B]`` picks each batch
@@ -82,14 +85,27 @@ def cis_decide(
     b, hq, d = query.shape
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     check_shape("anchor_q", anchor_q, (anchor_len.shape[0], h, hq // h, d), "[N, Hkv, g, D]")
-    check_bool_mask("bad", bad, (b, h))
     check_int("n_local", n_local, minimum=0)
+    if nonfinite is not None and (
+        not isinstance(nonfinite, torch.Tensor)
+        or nonfinite.dtype != torch.int64
+        or nonfinite.numel() != 1
+        or nonfinite.device != query.device
+    ):
+        raise ValueError(
+            "nonfinite must be a one-element int64 tensor on the query's device "
+            "(SelectorState.nonfinite)"
+        )
     announce("cis_decide", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import cis_decide_triton
 
-        return cis_decide_triton(query, anchor_q, anchor_len, slots, seq_lens, bad, tau, n_local)
-    return cis_decide_reference(query, anchor_q, anchor_len, slots, seq_lens, bad, tau, n_local)
+        return cis_decide_triton(
+            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
+        )
+    return cis_decide_reference(
+        query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
+    )
 
 
 def retrieval_block_scores(

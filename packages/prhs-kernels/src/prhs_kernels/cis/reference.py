@@ -15,6 +15,7 @@ from prhs_core.layout import KVLayout
 from prhs_kernels.blocks.reference import block_reduce_reference
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.compose.reference import window_indices_reference
+from prhs_kernels.score.reference import nonfinite_rows
 
 __all__ = [
     "block_eligible_reference",
@@ -30,23 +31,28 @@ def cis_decide_reference(
     anchor_len: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
     tau: float,
     n_local: int,
-) -> torch.Tensor:
-    """``[B, Hkv]`` bool: the rows that retrieve. A row reuses its anchor (row ``slots[b]`` of
+    nonfinite: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(retrieve, bad)``, ``[B, Hkv]`` bool each. ``bad``: the group's queries hold a NaN or an
+    infinity (counted into ``nonfinite``, a one-element int64 tensor, when given); such a row
+    neither reuses nor retrieves. Otherwise a row reuses its anchor (row ``slots[b]`` of
     ``anchor_q [N, Hkv, g, D]`` / ``anchor_len [N, Hkv]``) iff the anchor exists, is at most
     ``n_local`` positions old, and the cosine of the group's concatenated queries with the
-    anchor's is at least ``tau``; ``bad`` rows neither reuse nor retrieve."""
+    anchor's is at least ``tau``, and retrieves if not."""
     b, hq, d = query.shape
     h = anchor_len.shape[1]
+    bad = nonfinite_rows(query, h)
+    if nonfinite is not None:
+        nonfinite.add_(bad.sum())
     q = query.reshape(b, h, hq // h * d).float()
     qa = anchor_q[slots].reshape(b, h, -1)
     ta = anchor_len[slots]
     lens = seq_lens.view(-1, 1)
     reuse = (ta > 0) & (lens - ta <= n_local) & (lens >= ta)
     reuse &= torch.nn.functional.cosine_similarity(q, qa, dim=-1) >= tau
-    return ~reuse & ~bad
+    return ~reuse & ~bad, bad
 
 
 def block_eligible_reference(

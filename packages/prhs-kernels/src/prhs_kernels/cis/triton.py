@@ -1,6 +1,7 @@
 """Triton kernels of the CIS step (paper mode): three launches besides the retrieval's keys.
 
-- ``_decide_kernel``, one program per (sequence, KV head): the anchor's age and the cosine of the
+- ``_decide_kernel``, one program per (sequence, KV head): whether the group's queries are
+  finite (a non-finite group is skipped and counted), the anchor's age and the cosine of the
   group's queries with the anchor's, read from the state row of the sequence's slot; writes
   whether the row retrieves.
 - ``_block_scores_kernel``, grid ``(B * Hkv, spans)``: from the logits and span statistics of
@@ -44,6 +45,7 @@ def _decide_kernel(
     LENS,
     BAD,
     RETRIEVE,
+    NONFINITE,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -58,6 +60,7 @@ def _decide_kernel(
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -68,6 +71,12 @@ def _decide_kernel(
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
     q_ptr = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr, mask=mask, other=0.0).to(tl.float32)
+    # A group whose query holds a NaN or an infinity is skipped (and counted).
+    finite = (q == q) & (tl.abs(q) < float("inf"))
+    bad = tl.sum(tl.sum((mask & ~finite).to(tl.int32), 1), 0) > 0
+    tl.store(BAD + pid, bad.to(tl.int8))
+    if COUNT:
+        tl.atomic_add(NONFINITE, bad.to(tl.int64))
     a_ptr = AQ + slot * stride_aq_n + h * stride_aq_h + offs_g[:, None] * stride_aq_g
     qa = tl.load(a_ptr + offs_d[None, :], mask=mask, other=0.0)
     eps = 1e-8
@@ -77,7 +86,6 @@ def _decide_kernel(
     ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
     seq = tl.load(LENS + b)
     reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= tau)
-    bad = tl.load(BAD + pid) != 0
     tl.store(RETRIEVE + pid, ((~reuse) & (~bad)).to(tl.int8))
 
 
@@ -382,25 +390,27 @@ def cis_decide_triton(
     anchor_len: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
     tau: float,
     n_local: int,
-) -> torch.Tensor:
+    nonfinite: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
     g = hq // h
     retrieve = torch.empty(b, h, dtype=torch.bool, device=query.device)
+    bad = torch.empty(b, h, dtype=torch.bool, device=query.device)
     decide, *_ = _kernels(interpreting())
     decide[(b * h,)](
-        query, anchor_q, anchor_len, slots, seq_lens, bad.contiguous().view(torch.int8),
-        retrieve.view(torch.int8),
+        query, anchor_q, anchor_len, slots, seq_lens, bad.view(torch.int8),
+        retrieve.view(torch.int8), nonfinite if nonfinite is not None else seq_lens,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_len.stride(0), anchor_len.stride(1),
         float(tau), n_local,
-        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), num_warps=4,
+        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
+        num_warps=4,
     )  # fmt: skip
-    return retrieve
+    return retrieve, bad
 
 
 def retrieval_block_scores_triton(

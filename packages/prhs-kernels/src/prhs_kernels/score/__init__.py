@@ -22,6 +22,7 @@ from prhs_kernels.score.cuda import score_keys_bmm, supports_bmm
 from prhs_kernels.score.reference import (
     chunk_len,
     max_key_norm_reference,
+    nonfinite_rows,
     retrieval_probs_reference,
     score_keys_reference,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "chunk_len",
     "max_key_norm",
     "max_key_norm_reference",
+    "nonfinite_rows",
     "retrieval_path",
     "retrieval_probs",
     "retrieval_probs_reference",

@@ -15,6 +15,7 @@ from prhs_kernels.kv.reference import gather_kv_reference
 __all__ = [
     "chunk_len",
     "max_key_norm_reference",
+    "nonfinite_rows",
     "retrieval_probs_reference",
     "score_keys_reference",
 ]
@@ -81,3 +82,11 @@ def retrieval_probs_reference(logits: torch.Tensor, active: torch.Tensor | None)
     if active is None:
         return probs
     return probs.masked_fill(~active.unsqueeze(-1), 0.0)
+
+
+def nonfinite_rows(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, Hkv]`` bool: KV heads whose group of queries (``query [B, Hq, D]``) holds a NaN or
+    an infinity."""
+    b, hq, _ = query.shape
+    bad = ~torch.isfinite(query).all(-1)  # [B, Hq]
+    return bad.view(b, num_kv_heads, hq // num_kv_heads).any(-1)
