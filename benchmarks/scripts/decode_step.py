@@ -149,11 +149,17 @@ class NewStep:
 
         w, plan = self.w, self.plan
         pos = plan.seq_lens.long() - 1
+        # Once per step, as a host does (SGLang's out_cache_loc): where the new token goes, as a
+        # row of the flat [B * Hkv * T_cap, D] cache view, and its side-cache location. Each
+        # layer then writes K and V with one copy each.
+        heads = torch.arange(HKV, device=pos.device).view(1, -1)
+        flat = ((self.rows.view(-1, 1) * HKV + heads) * w.t_cap + pos.view(-1, 1)).view(-1)
+        kv0 = self._contiguous(w.k[0], w.v[0], plan.seq_lens)
+        loc = token_locations(kv0, pos.view(-1, 1), self.state.row_stride).view(-1)
         for layer in range(w.layers):
-            w.k[layer][self.rows, :, pos] = self.nk[layer]
-            w.v[layer][self.rows, :, pos] = self.nv[layer]
+            w.k[layer].view(-1, D).index_copy_(0, flat, self.nk[layer].view(-1, D))
+            w.v[layer].view(-1, D).index_copy_(0, flat, self.nv[layer].view(-1, D))
             kv = self._contiguous(w.k[layer], w.v[layer], plan.seq_lens)
-            loc = token_locations(kv, pos.view(-1, 1), self.state.row_stride).view(-1)
             self.sel.write_kv(self.state, layer, loc, self.nk[layer], self.nv[layer])
             s = self.sel.select(plan, layer, self.q[layer], kv, self.state)
             sparse_decode_attention(self.q[layer], kv, s, plan.scaling, out=self.out[layer])
@@ -482,9 +488,24 @@ def bench_old(name: str, w: Workload, steps: int, repeats: int, budget: int) -> 
     return {"ms": ms[len(ms) // 2], "eager_ms": ms[len(ms) // 2]}
 
 
-def profile(out: Any, names: list[str], shape: str, budget: int) -> None:
-    """The CUDA kernels of one eager step (all layers), by total time: where the torch path
-    spends its time."""
+def force_jumps(w: Workload, rho: float, seed: int = 12) -> None:
+    """Make a share ``rho`` of the (layer, sequence, KV head) query groups jump to a fresh query
+    at each step after the first (the others keep theirs): a trace whose retrieval ratio CIS
+    measures as about ``rho``."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    steps, layers, b = w.q.shape[:3]
+    q = w.q.clone().view(steps, layers, b, HKV, -1, D)
+    for s in range(1, steps):
+        jump = torch.rand(layers, b, HKV, generator=g, device=DEV) < rho
+        fresh = torch.randn(q[s].shape, generator=g, device=DEV).to(DTYPE)
+        q[s] = torch.where(jump[..., None, None], fresh, q[s - 1])
+    w.q = q.view_as(w.q)
+
+
+def profile(out: Any, names: list[str], shape: str, budget: int, rho: float | None = None) -> None:
+    """The CUDA kernels of one eager step (all layers), by total time: where a step spends its
+    time. ``rho``: queries jump as in :func:`force_jumps` (``None``: they drift slowly); the
+    step profiled is the third, so both reuse and retrieval occur."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -493,10 +514,13 @@ def profile(out: Any, names: list[str], shape: str, budget: int) -> None:
     lens = [t_len - (i * t_len) // (8 * batch) for i in range(batch)]
     for name in names:
         w = Workload(batch, lens, layers=4, steps=4, drift=0.02, seed=7)
+        if rho is not None:
+            force_jumps(w, rho)
         st = NewStep(name, selector_options(name, budget), w, w.batch)
-        st.load(0)
-        st.run()
-        st.load(1)
+        for step in range(2):
+            st.load(step)
+            st.run()
+        st.load(2)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             st.run()
@@ -510,6 +534,7 @@ def profile(out: Any, names: list[str], shape: str, budget: int) -> None:
                 "part": "profile",
                 "selector": name,
                 "shape": shape,
+                "rho": rho,
                 "kernels": sum(e.count for e in events) / w.layers,
                 "gpu_ms_per_layer": total / 1000 / w.layers,
                 "top": [
@@ -583,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the logic, no graphs")
     p.add_argument("--batches", default="1,16", help="check: batch sizes")
     p.add_argument("--selectors", default="streaming,cis,quest", help="profile: selectors")
+    p.add_argument("--rho", type=float, default=None, help="profile: forced query jumps")
     a = p.parse_args(argv)
     global DEV
     DEV = a.device
@@ -590,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(out, {"part": "machine", "impl": a.impl, **machine()})
     if a.part == "profile":
         for shape in a.shapes.split(","):
-            profile(out, a.selectors.split(","), shape, a.budget)
+            profile(out, a.selectors.split(","), shape, a.budget, a.rho)
     elif a.part == "check":
         check(out, a.steps or 64, [int(b) for b in a.batches.split(",")])
     else:

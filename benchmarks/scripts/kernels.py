@@ -19,8 +19,9 @@ issue. A benchmark, not a test: nothing here asserts a speed.
     - the sparse kernel alone over 1024 positions (128 blocks of 8, as CIS selects them);
     - the retrieval alone (``retrieval_probs``) with every row retrieving, and with 10 %;
     - Quest's and CIS's whole step (select + attend, side-cache writes included), replayed from a
-      CUDA graph over a 32-step trace, CIS at forced retrieval ratios ρ = 5, 10, 20 % and the ρ̂
-      of a real model run (``--real-rho``), with its byte floor.
+      CUDA graph over a 32-step trace of 4 layers (ms per layer), CIS at forced retrieval
+      ratios ρ = 5, 10, 20 % and the ρ̂ of a real model run (``--real-rho``), with its byte
+      floor.
 
     Each row prints ms (median of ``triton.testing.do_bench`` or of graph replays), the bytes it
     must read, TB/s achieved on them, and the speedup over the best dense.
@@ -49,6 +50,10 @@ D = 128
 DEV = "cuda"
 DTYPE = torch.bfloat16
 SCALING = D**-0.5
+STEP_LAYERS = 4
+"""Layers per decode step in the whole-step rows: the host's per-step work (the plan's update,
+the step's input copies) is shared by a step's layers, as in a model (32 layers or more; 4
+here keep three copies of the B16·T64k caches within the GPU's memory)."""
 
 
 def machine() -> dict[str, Any]:
@@ -580,25 +585,20 @@ def tune_retrieval(out: Any, kv: Any, q: torch.Tensor, b: int, t: int, hkv: int,
 def step_bench(
     name: str, b: int, t: int, hkv: int, budget: int, rho: float | None, bw: float
 ) -> dict[str, Any]:
-    """One selector's whole step (K/V + side-cache write, select, attend) on one layer over a
-    32-step trace, replayed from a CUDA graph. ``rho``: the fraction of (sequence, KV head)
-    query groups that jump to a fresh query each step (the others keep theirs, so CIS reuses);
-    ``None``: queries drift slowly."""
+    """One selector's whole step (K/V + side-cache write, select, attend) over a 32-step trace
+    of ``STEP_LAYERS`` layers, replayed from a CUDA graph; ms per layer. ``rho``: the fraction
+    of (sequence, KV head) query groups that jump to a fresh query each step (the others keep
+    theirs, so CIS reuses); ``None``: queries drift slowly."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import decode_step as ds
 
     ds.HKV, ds.DEV = hkv, DEV
     steps = 32
     lens = [t - steps - 8] * b
-    w = ds.Workload(b, lens, layers=1, steps=steps, drift=0.02, seed=11)
+    layers = STEP_LAYERS
+    w = ds.Workload(b, lens, layers=layers, steps=steps, drift=0.02, seed=11)
     if rho is not None:
-        g = torch.Generator(device=DEV).manual_seed(12)
-        q = w.q.clone().view(steps, 1, b, hkv, -1, D)
-        for s in range(1, steps):
-            jump = torch.rand(1, b, hkv, generator=g, device=DEV) < rho
-            fresh = torch.randn(q[s].shape, generator=g, device=DEV).to(DTYPE)
-            q[s] = torch.where(jump[..., None, None], fresh, q[s - 1])
-        w.q = q.view_as(w.q)
+        ds.force_jumps(w, rho)
     opts = ds.selector_options(name, budget)
     if name == "quest":
         opts["dense_layers"] = 0
