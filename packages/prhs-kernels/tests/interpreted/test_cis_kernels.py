@@ -14,6 +14,7 @@ from prhs_kernels.cis import (
     retrieval_block_scores,
     top_blocks,
 )
+from prhs_kernels.cis import triton as cis_triton
 from prhs_kernels.compose import window_widths
 
 PATH = "triton-interpreter"
@@ -89,14 +90,32 @@ def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local):
     lens = [1300, 77, 1]
     data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=s)
     q = torch.randn(3, 8, 16, generator=gen).bfloat16()
-    active = torch.tensor([[True, False], [True, True], [False, True]])
-    for name, kv in data.layouts.items():
-        kw = dict(block_size=s, n_sink=n_sink, n_local=n_local)
-        got = retrieval_block_scores(q, kv, 0.25, active, **kw, path=PATH)
-        want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
-        assert got.shape == (3, 2, -(-max(lens) // s)), name
-        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), name
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    some = torch.tensor([[True, False], [True, True], [False, True]])
+    # Some rows, none and all: the persistent grid scores the active rows' tiles and fills
+    # the others with -inf (several items per program here: 4 "multiprocessors" on the CPU).
+    for active in (some, torch.zeros_like(some), torch.ones_like(some)):
+        for name, kv in data.layouts.items():
+            kw = dict(block_size=s, n_sink=n_sink, n_local=n_local)
+            got = retrieval_block_scores(q, kv, 0.25, active, **kw, path=PATH)
+            want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
+            assert got.shape == (3, 2, -(-max(lens) // s)), name
+            assert torch.equal(torch.isneginf(got), torch.isneginf(want)), name
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_block_scores_tiles_of_1024_positions(monkeypatch, make_kv):
+    # One work item per row: tiles of 1024 positions (what rows of 64k positions take).
+    monkeypatch.setitem(cis_triton.TUNING, "block_scores_items_per_row", 1)
+    lens = [2100, 5]
+    data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=3)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    active = torch.tensor([[True, False], [True, True]])
+    kv = data.layouts["paged16"]
+    kw = dict(block_size=8, n_sink=4, n_local=32)
+    got = retrieval_block_scores(q, kv, 0.25, active, **kw, path=PATH)
+    want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r):
@@ -146,8 +165,27 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r):
         assert torch.equal(got[live], want[live])
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (20, 5), (100, 100), (300, 128), (64, 3)])
-def test_top_blocks_of_active_rows_match_the_reference(n, k):
+@pytest.mark.parametrize(
+    ("n", "k", "one_pass"),
+    [
+        (1, 1, None),
+        (20, 5, None),
+        (100, 100, None),
+        (300, 128, None),
+        (64, 3, None),
+        # Long rows in two passes (thresholds made small here; 4096 and 2048 on a GPU):
+        (300, 20, 64),  # 5 chunks of 64
+        (300, 50, 64),  # 3 chunks of 128, the last (44) shorter than k
+        (256, 256, 64),  # a chunk (2k = 512) would hold the whole row: one pass
+    ],
+)
+def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass):
+    if one_pass is not None:
+        monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", one_pass)
+        monkeypatch.setattr(cis_triton, "TOPK_CHUNK", one_pass)
+        monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 512)
+        _, chunks = cis_triton._topk_plan(n, k)
+        assert (chunks > 1) == (k < 256)
     gen = torch.Generator().manual_seed(n + k)
     x = torch.rand(6, n, generator=gen)
     x[x < 0.3] = float("-inf")
@@ -155,7 +193,7 @@ def test_top_blocks_of_active_rows_match_the_reference(n, k):
     x[1, min(3, n - 1)] = float("nan")  # NaN counts as -inf
     x[2] = float("-inf")
     # Keys that share their upper bytes (a few ulps apart around 0.25), and signed values with
-    # infinities: the radix select must resolve every byte, and order negatives correctly.
+    # infinities: the search must resolve every bit, and order negatives correctly.
     ulps = (torch.randperm(n, generator=gen) % 300).to(torch.int32)
     x[4] = (torch.full((n,), 0.25).view(torch.int32) + ulps).view(torch.float32)
     x[5] = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n)

@@ -143,16 +143,18 @@ def top_blocks(
     largest first (``-inf`` values mark no block; a NaN score counts as ``-inf``). Ties: toward
     the lower id, except on CUDA's torch path (``torch.topk``: any order).
 
-    On a Triton path with ``active [...]`` given and ``NB <= TOPK_MAX_N`` (16384), one program
-    per row ranks the active rows only (the others get ``-1`` / ``-inf``); otherwise every row
-    is ranked."""
+    On a Triton path with ``active [...]`` given, the active rows only are ranked (the others
+    get ``-1`` / ``-inf``): one program per row for rows of up to 8192 scores; longer rows in
+    two passes (the top ``m`` of each chunk of 2048, then of their winners) while the winners
+    number at most 16384 (so up to 262 144 scores at ``m = 128``). Otherwise every row is
+    ranked by ``torch.topk``."""
     k = min(m, scores.shape[-1])
     if active is not None:
         check_bool_mask("active", active, tuple(scores.shape[:-1]))
     if path.startswith("triton") and active is not None and k >= 1:
-        from prhs_kernels.cis.triton import TOPK_MAX_N, top_blocks_triton
+        from prhs_kernels.cis.triton import top_blocks_fits, top_blocks_triton
 
-        if scores.shape[-1] <= TOPK_MAX_N:
+        if top_blocks_fits(scores.shape[-1], k):
             announce("top_blocks", path, scores.device)
             return top_blocks_triton(scores, k, active)
     scores = scores.masked_fill(scores.isnan(), float("-inf"))
