@@ -2,7 +2,7 @@
 alone (CUDA-graph replay, median of ``triton.testing.do_bench``) with a share of the rows
 retrieving, and the top-k kernel at several warp counts. A benchmark: prints JSON lines.
 
-    python benchmarks/scripts/cis_ops_probe.py --shapes 16x16,16x64 --active 0.1,0.03
+    python benchmarks/scripts/cis_ops_probe.py --shapes 16x16,16x64,16x64+32 --active 0.1,0.03
 """
 
 from __future__ import annotations
@@ -40,25 +40,32 @@ def probe(kv: Any, q: torch.Tensor, act: torch.Tensor) -> dict[str, Any]:
     row["logits_ms"] = kb.graph_ms(
         lambda: sc_triton.retrieval_logits_triton(q, kv, kb.SCALING, act)
     )
+    saved = dict(cis_triton.TUNING)
+    for items in (256, 64, 16):  # work items per row (256 to 1024 positions each)
+        cis_triton.TUNING["block_scores_items_per_row"] = items
+        row[f"logits+block_scores_{items}_items_ms"] = kb.graph_ms(scores_fn)
+    cis_triton.TUNING.update(saved)
     row["logits+block_scores_ms"] = kb.graph_ms(scores_fn)
     scores = scores_fn()
     row["topk_ms"] = kb.graph_ms(lambda: top_blocks(scores, M, act, path="triton"))
     row["key_bytes_floor_ms"] = n_act * t * D * 2 / 4.26e12 * 1e3
+    # The one-pass kernel over the whole row at several warp counts (what the two-pass launcher
+    # replaces for rows of more than TOPK_ONE_PASS blocks).
     nb = scores.shape[-1]
     *_, topk = cis_triton._kernels(False)
     idx = torch.empty(b, h, M, dtype=torch.int32, device="cuda")
     val = torch.empty(b, h, M, device="cuda")
     scratch = torch.empty(b * h, M, dtype=torch.int64, device="cuda")
     block = max(16, triton.next_power_of_2(nb))
-    for warps in (2, 4, 8, 16):
+    for warps in (4, 8, 16):
 
         def run(warps: int = warps) -> None:
-            topk[(b * h,)](
-                scores, act.view(torch.int8), idx, val, scratch, nb, M,
-                BLOCK=block, BLOCK_K=M, num_warps=warps,
+            topk[(b * h, 1)](
+                scores, scores, act.view(torch.int8), idx, val, scratch, nb, M, nb, 1,
+                BLOCK=block, BLOCK_K=M, HAS_IDX=False, num_warps=warps,
             )  # fmt: skip
 
-        row[f"topk_w{warps}_ms"] = kb.graph_ms(run)
+        row[f"topk_one_pass_w{warps}_ms"] = kb.graph_ms(run)
     return row
 
 
@@ -72,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in a.shapes.split(","):
-        b, t = (int(x) for x in shape.split("x"))
-        t *= 1024
+        b, t_spec = shape.split("x")  # "16x64" or "16x64+32": T = 64 * 1024 (+ 32)
+        kilo, _, extra = t_spec.partition("+")
+        b, t = int(b), int(kilo) * 1024 + int(extra or 0)
         k = torch.randn(b, a.hkv, t, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         kv = ContiguousKV(k, k, torch.full((b,), t, dtype=torch.int32, device="cuda"))
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
