@@ -39,6 +39,7 @@ from prhs_core.plan import DecodePlan
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 from prhs_kernels.blocks import block_reduce
+from prhs_kernels.cis.reference import block_eligible_reference, window_block_mask_reference
 from prhs_kernels.compose import union_indices, window_indices, window_widths
 from prhs_kernels.paths import kernel_path
 from prhs_kernels.score import check_query, nonfinite_rows, retrieval_probs
@@ -343,21 +344,17 @@ class BaseSelector:
     def window_block_mask(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
         """``[B, NB]`` bool: blocks holding a sink or local position (the lists of
         :meth:`windows`, as a mask)."""
-        ids = torch.cat(self.windows(kv), dim=-1).long()  # -1: no block
-        mask = torch.zeros(
-            ids.shape[0], n_blocks_total + 1, dtype=torch.bool, device=kv.seq_lens.device
+        c = self.config
+        return window_block_mask_reference(
+            kv.seq_lens, n_blocks_total, self.block_size, c.n_sink, c.n_local
         )
-        mask.scatter_(
-            -1, torch.where(ids >= 0, ids.clamp(max=n_blocks_total), n_blocks_total), True
-        )
-        return mask[:, :n_blocks_total]
 
     def block_eligible(self, kv: KVLayout, n_blocks_total: int) -> torch.Tensor:
         """``[B, NB]`` bool: existing blocks outside the windows (what top-k may pick)."""
-        s = self.block_size
-        j = torch.arange(n_blocks_total, device=kv.seq_lens.device, dtype=torch.int32)
-        exists = j.view(1, -1) < ((kv.seq_lens + s - 1) // s).view(-1, 1)
-        return exists & ~self.window_block_mask(kv, n_blocks_total)
+        c = self.config
+        return block_eligible_reference(
+            kv.seq_lens, n_blocks_total, self.block_size, c.n_sink, c.n_local
+        )
 
     def exact_probs(self, plan: DecodePlan, query: torch.Tensor, kv: KVLayout) -> torch.Tensor:
         """``[B, Hkv, T]`` float32 group-mean probabilities of every position (a retrieval)."""

@@ -22,6 +22,7 @@ __all__ = [
     "cis_compose_reference",
     "cis_decide_reference",
     "retrieval_block_scores_reference",
+    "window_block_mask_reference",
 ]
 
 
@@ -55,18 +56,25 @@ def cis_decide_reference(
     return ~reuse & ~bad, bad
 
 
+def window_block_mask_reference(
+    seq_lens: torch.Tensor, n_blocks: int, block_size: int, n_sink: int, n_local: int
+) -> torch.Tensor:
+    """``[B, NB]`` bool: blocks holding a sink or local position."""
+    sink, local = window_indices_reference(seq_lens, n_sink, n_local, block_size)
+    ids = torch.cat([sink, local], dim=-1).long()  # -1: no block
+    window = torch.zeros(ids.shape[0], n_blocks + 1, dtype=torch.bool, device=ids.device)
+    window.scatter_(-1, torch.where(ids >= 0, ids.clamp(max=n_blocks), n_blocks), True)
+    return window[:, :n_blocks]
+
+
 def block_eligible_reference(
     seq_lens: torch.Tensor, n_blocks: int, block_size: int, n_sink: int, n_local: int
 ) -> torch.Tensor:
     """``[B, NB]`` bool: blocks that exist and hold no sink or local position."""
     s = block_size
-    sink, local = window_indices_reference(seq_lens, n_sink, n_local, s)
-    ids = torch.cat([sink, local], dim=-1).long()
-    window = torch.zeros(ids.shape[0], n_blocks + 1, dtype=torch.bool, device=ids.device)
-    window.scatter_(-1, torch.where(ids >= 0, ids.clamp(max=n_blocks), n_blocks), True)
     j = torch.arange(n_blocks, device=seq_lens.device).view(1, -1)
     exists = j < ((seq_lens.long() + s - 1) // s).view(-1, 1)
-    return exists & ~window[:, :n_blocks]
+    return exists & ~window_block_mask_reference(seq_lens, n_blocks, s, n_sink, n_local)
 
 
 def retrieval_block_scores_reference(
