@@ -364,6 +364,24 @@ def time_trace(fn_load: Any, fn_run: Any, steps: int, repeats: int) -> float:
     return times[len(times) // 2]
 
 
+def trace_gpu_ms(st: NewStep, snap: Any, graph: Any, steps: int) -> float:
+    """Milliseconds per step the GPU spends in kernels, copies and memsets over one replay of
+    the trace (the profiler's device times, summed): with the trace's wall time per step, the
+    share of the step the GPU is busy."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    restore(st, snap)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for t in range(steps):
+            st.load(t)
+            graph.replay()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
+    return total_us / 1000 / steps
+
+
 def bench_dense(w: Workload, repeats: int) -> float:
     import torch.nn.functional as F
 
@@ -420,6 +438,7 @@ def bench_new(
         restore(st, snap)
         ms.append(time_trace(st.load, graph.replay, steps, 1) / w.layers)
     ms.sort()
+    gpu_ms = trace_gpu_ms(st, snap, graph, steps) / w.layers
     # The graph replayed back to back on one step's inputs: the GPU's time for a step, without
     # the trace's host work between steps (plan.update, input copies).
     restore(st, snap)
@@ -436,6 +455,8 @@ def bench_new(
     del st, graph
     return {
         "ms": ms[len(ms) // 2],
+        "gpu_ms": gpu_ms,
+        "gpu_busy": gpu_ms / ms[len(ms) // 2],
         "replay_ms": replay_ms,
         "eager_ms": eager_ms,
         "retrieval_ratio": summary.get("retrieval_ratio"),

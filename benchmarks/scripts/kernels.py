@@ -691,6 +691,8 @@ def table(paths: list[str]) -> None:
                 f"rho {r.get('rho')} measured {r['rho_measured']:.1f} %, floor "
                 f"{r['floor_ms']:.4f} ms (x{r['vs_floor']:.2f}), eager {r['eager_ms']:.3f}"
             )
+            if r.get("gpu_busy") is not None:
+                note += f", GPU busy {100 * r['gpu_busy']:.0f} %"
         ms = f"{r['ms']:.4f}" if "ms" in r else "-"
         tbs = f"{r['TB/s']:.2f}" if "TB/s" in r else "-"
         vs = f"{r['vs_best_dense']:.2f}" if "vs_best_dense" in r else "-"
