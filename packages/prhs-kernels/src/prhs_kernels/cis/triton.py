@@ -450,31 +450,35 @@ def top_blocks_triton(
     idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=dev)
     val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
     block_k = _pow2(k, 2)
-    *_, topk = _kernels(interpreting())
-    if chunks == 1:
-        scratch = torch.empty(rows, block_k, dtype=torch.int64, device=dev)
-        block = _pow2(n, 16)
-        topk[(rows, 1)](
-            scores, scores, flags, idx, val, scratch, n, k, n, 1,
-            BLOCK=block, BLOCK_K=block_k, HAS_IDX=False, num_warps=_topk_warps(block),
+    scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
+
+    def rank(
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        out_idx: torch.Tensor,
+        out_val: torch.Tensor,
+        length: int,
+        width: int,
+        parts: int,
+        has_ids: bool,
+    ) -> None:
+        """One launch: the top ``k`` of each of ``parts`` chunks of ``width`` of ``length``."""
+        block = _pow2(width, 16)
+        *_, topk = _kernels(interpreting())
+        topk[(rows, parts)](
+            values, ids, flags, out_idx, out_val, scratch, length, k, width, parts,
+            BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, num_warps=_topk_warps(block),
         )  # fmt: skip
+
+    if chunks == 1:
+        rank(scores, scores, idx, val, n, n, 1, False)
         return idx, val
-    # First pass: each chunk's top k (chunk order, then score order: ties stay by lower id).
+    # First pass: each chunk's top k (chunk order, then score order: ties stay by lower id);
+    # second: the top k of the winners, reporting their ids in the row.
     cand_idx = torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)
     cand_val = torch.empty(rows, chunks * k, dtype=torch.float32, device=dev)
-    scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
-    block = _pow2(chunk, 16)
-    topk[(rows, chunks)](
-        scores, scores, flags, cand_idx, cand_val, scratch, n, k, chunk, chunks,
-        BLOCK=block, BLOCK_K=block_k, HAS_IDX=False, num_warps=_topk_warps(block),
-    )  # fmt: skip
-    # Second pass: the top k of the winners, reporting their ids in the row.
-    m = chunks * k
-    block = _pow2(m, 16)
-    topk[(rows, 1)](
-        cand_val, cand_idx, flags, idx, val, scratch, m, k, m, 1,
-        BLOCK=block, BLOCK_K=block_k, HAS_IDX=True, num_warps=_topk_warps(block),
-    )  # fmt: skip
+    rank(scores, scores, cand_idx, cand_val, n, chunk, chunks, False)
+    rank(cand_val, cand_idx, idx, val, chunks * k, chunks * k, 1, True)
     return idx, val
 
 
