@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -81,6 +83,34 @@ def test_certified_cis_certificate_holds_on_every_step_of_a_batched_run(make_tin
     m = meter.result()
     assert m.decisions == 7 * 4 * 2 * 2
     assert m.certificate_violations == 0
+
+
+def test_beta_is_split_between_retrievals_and_reuses(make_tiny):
+    # CIS both retrieves and reuses here; the split means weight back to beta_emp. The oracle
+    # retrieves at every decision, so it has no reuse to average.
+    model = make_tiny("llama")
+    batch = _batch(128, [90, 70])
+    found = {}
+    for name, options in (("cis", dict(budget=8, block_size=2, n_local=8, tau=0.0)),
+                          ("oracle", dict(budget=8))):  # fmt: skip
+        runtime = prhs_eval.enable(model, name, **options)
+        meter = SelectionMeter(mi=False)
+        runtime.add_observer(meter)
+        try:
+            _generate(model, batch, n=8)
+        finally:
+            runtime.disable()
+        found[name] = meter.result()
+    cis = found["cis"]
+    rho = cis.retrieval_ratio / 100
+    assert 0 < rho < 1
+    assert cis.beta_retrieval >= 0 and cis.beta_reuse >= 0
+    mixed = rho * cis.beta_retrieval + (1 - rho) * cis.beta_reuse
+    assert mixed == pytest.approx(cis.beta_emp, rel=1e-9, abs=1e-15)
+    oracle = found["oracle"]
+    assert oracle.retrieval_ratio == 100
+    assert oracle.beta_retrieval == pytest.approx(oracle.beta_emp, abs=1e-15)
+    assert math.isnan(oracle.beta_reuse)
 
 
 def test_state_lives_on_the_cache_and_restarts_with_a_new_prefill(make_tiny):

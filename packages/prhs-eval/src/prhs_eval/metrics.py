@@ -5,7 +5,8 @@ each selection it scores every cached key exactly (what dense attention would ha
 records, per (step, layer, KV head) decision:
 
 - ``δ``: the group-mean dropped mass of the positions read (in log space);
-- ``β``: the retained-mass gap to the oracle of the same size, ``τ(S*_{|S|}) − τ(S)``;
+- ``β``: the retained-mass gap to the oracle of the same size, ``τ(S*_{|S|}) − τ(S)``, also
+  split between the decisions that scored every key (retrievals) and the others (reuses);
 - oracle overlap ``|S ∩ S*_{|S|}| / |S|`` and the recall of the top-50%-mass part of it;
 - ``ρ̂`` (share of decisions that scored every key, in %), ``Avg KV`` (mean ``|S|``), and the
   bytes read per step (selected K/V rows + proxy bytes, per sequence, all layers);
@@ -57,6 +58,11 @@ class SelectionMetrics:
         Mean MI bound ``B_MI`` and empirical ``ΔI_emp`` over (sequence, layer, query head).
     certificate_violations:
         Decisions whose certified ``δ̂`` fell below the measured ``δ`` (``None``: no certificate).
+    beta_retrieval, beta_reuse:
+        ``β_emp`` split by decision: over the decisions that scored every key (a retrieval),
+        and over the others (for CIS its reuses of an anchor's set; for a selector that never
+        scores every key, such as Quest, every decision). ``nan`` where there is no such
+        decision or the selector reports no statistics.
     """
 
     decisions: int
@@ -72,6 +78,8 @@ class SelectionMetrics:
     b_mi: float
     delta_i_emp: float
     certificate_violations: int | None
+    beta_retrieval: float = math.nan
+    beta_reuse: float = math.nan
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain dict for result files."""
@@ -92,8 +100,9 @@ class MeterSums:
     decisions:
         Number of (step, layer, sequence, KV head) decisions measured.
     sums:
-        Sum over decisions of ``delta``, ``beta``, ``overlap``, ``recall``, ``avg_kv`` and
-        ``retrieved`` (the last only when the selector reports statistics).
+        Sum over decisions of ``delta``, ``beta``, ``overlap``, ``recall``, ``avg_kv``, and,
+        when the selector reports statistics, ``retrieved`` and ``beta_retrieved`` (``β`` of
+        the decisions that retrieved).
     delta_max:
         Largest ``δ`` (0 when nothing was measured).
     violations:
@@ -162,6 +171,9 @@ class MeterSums:
 
         steps = self.steps
         mi = self.mi_count
+        n_ret = self.sums.get("retrieved", nan)
+        beta_ret = self.sums.get("beta_retrieved", nan)
+        beta_all = self.sums.get("beta", 0.0)
         return SelectionMetrics(
             decisions=n,
             delta_mean=mean("delta"),
@@ -176,6 +188,8 @@ class MeterSums:
             b_mi=self.b_mi_sum / mi if mi else nan,
             delta_i_emp=self.delta_i_sum / mi if mi else nan,
             certificate_violations=self.violations,
+            beta_retrieval=beta_ret / n_ret if n_ret > 0 else nan,
+            beta_reuse=(beta_all - beta_ret) / (n - n_ret) if n - n_ret > 0 else nan,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -312,7 +326,9 @@ class SelectionMeter:
         self._add("recall", recall)
         stats = step.plan.stats
         if stats is not None:
-            self._add("retrieved", stats.retrieved.double())
+            retrieved = stats.retrieved.double()
+            self._add("retrieved", retrieved)
+            self._add("beta_retrieved", beta * retrieved)
             self._add("avg_kv", stats.num_selected.double())
             elem = step.query.element_size()
             self._bytes_total += float(stats.bytes_read(head_dim=d, element_size=elem).sum())
