@@ -31,6 +31,19 @@ def _generate(model, batch, n=6):
         return model.generate(**batch, max_new_tokens=n, do_sample=False, min_new_tokens=n)
 
 
+def _measured(model, batch, name, *, n, mi=True, **options):
+    """Generate ``n`` tokens with selector ``name`` attached and a meter observing; the
+    meter's result (prhs is detached again whatever happens)."""
+    runtime = prhs_eval.enable(model, name, **options)
+    meter = SelectionMeter(mi=mi)
+    runtime.add_observer(meter)
+    try:
+        _generate(model, batch, n=n)
+    finally:
+        runtime.disable()
+    return meter.result()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_oracle_with_full_budget_reproduces_dense_generation(make_tiny, family):
     model = make_tiny(family)
@@ -54,14 +67,7 @@ def test_oracle_with_full_budget_reproduces_dense_generation(make_tiny, family):
 def test_sparse_selection_changes_attention_and_metrics_see_it(make_tiny, family):
     model = make_tiny(family)
     batch = _batch(128, [60, 45])
-    runtime = prhs_eval.enable(model, "streaming", budget=1, n_sink=1, n_local=2)
-    meter = SelectionMeter()
-    runtime.add_observer(meter)
-    try:
-        _generate(model, batch, n=4)
-    finally:
-        runtime.disable()
-    m = meter.result()
+    m = _measured(model, batch, "streaming", n=4, budget=1, n_sink=1, n_local=2)
     n_full = len(attention_spec(model.config).selectable_layers)
     assert m.decisions == 3 * n_full * 2 * 2  # steps x layers x sequences x KV heads
     assert m.delta_mean > 0 and m.avg_kv <= 4
@@ -71,16 +77,10 @@ def test_sparse_selection_changes_attention_and_metrics_see_it(make_tiny, family
 def test_certified_cis_certificate_holds_on_every_step_of_a_batched_run(make_tiny):
     model = make_tiny("llama")
     batch = _batch(128, [90, 70])
-    runtime = prhs_eval.enable(
-        model, "cis", budget=8, block_size=2, n_local=8, delta_max=0.5, require_cosine=False
-    )
-    meter = SelectionMeter()
-    runtime.add_observer(meter)
-    try:
-        _generate(model, batch, n=8)
-    finally:
-        runtime.disable()
-    m = meter.result()
+    m = _measured(
+        model, batch, "cis", n=8, budget=8, block_size=2, n_local=8, delta_max=0.5,
+        require_cosine=False,
+    )  # fmt: skip
     assert m.decisions == 7 * 4 * 2 * 2
     assert m.certificate_violations == 0
 
@@ -90,24 +90,13 @@ def test_beta_is_split_between_retrievals_and_reuses(make_tiny):
     # retrieves at every decision, so it has no reuse to average.
     model = make_tiny("llama")
     batch = _batch(128, [90, 70])
-    found = {}
-    for name, options in (("cis", dict(budget=8, block_size=2, n_local=8, tau=0.0)),
-                          ("oracle", dict(budget=8))):  # fmt: skip
-        runtime = prhs_eval.enable(model, name, **options)
-        meter = SelectionMeter(mi=False)
-        runtime.add_observer(meter)
-        try:
-            _generate(model, batch, n=8)
-        finally:
-            runtime.disable()
-        found[name] = meter.result()
-    cis = found["cis"]
+    cis = _measured(model, batch, "cis", n=8, mi=False, budget=8, block_size=2, n_local=8, tau=0.0)
     rho = cis.retrieval_ratio / 100
     assert 0 < rho < 1
     assert cis.beta_retrieval >= 0 and cis.beta_reuse >= 0
     mixed = rho * cis.beta_retrieval + (1 - rho) * cis.beta_reuse
     assert mixed == pytest.approx(cis.beta_emp, rel=1e-9, abs=1e-15)
-    oracle = found["oracle"]
+    oracle = _measured(model, batch, "oracle", n=8, mi=False, budget=8)
     assert oracle.retrieval_ratio == 100
     assert oracle.beta_retrieval == pytest.approx(oracle.beta_emp, abs=1e-15)
     assert math.isnan(oracle.beta_reuse)
@@ -281,14 +270,7 @@ def test_smollm2_certified_cis_delta_hat_bounds_true_delta_every_step(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
     sample = make_samples("passkey", tok, context_len=600, num_samples=1, seed=1)[0]
     batch = tok([sample.prompt], return_tensors="pt")
-    runtime = prhs_eval.enable(model, "cis", budget=32, block_size=4, delta_max=0.1)
-    meter = SelectionMeter(mi=False)
-    runtime.add_observer(meter)
-    try:
-        _generate(model, batch, n=10)
-    finally:
-        runtime.disable()
-    m = meter.result()
+    m = _measured(model, batch, "cis", n=10, mi=False, budget=32, block_size=4, delta_max=0.1)
     assert m.decisions == 9 * 30 * 3
     assert m.certificate_violations == 0
     # On SmolLM2 consecutive queries move logits by ε ≈ 15-35, so the certificate rarely if
