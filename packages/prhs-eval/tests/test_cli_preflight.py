@@ -293,6 +293,55 @@ def test_global_option_goes_to_the_selectors_that_have_it(
     ]
 
 
+def test_sweep_runs_each_value_of_an_option_for_the_selectors_that_have_it(
+    tmp_path: Path, captured: list[Any], cpu_only: None
+) -> None:
+    argv = ["compare", "--selectors", "dense,cis,prhs", "--set", "budget=512"]
+    sweep = ["--sweep", "cis.tau=0.6,0.7", "--sweep", "block_size=1,8"]
+    assert main([*argv, *sweep, *_out(tmp_path)]) == 0
+    specs = captured[0][1]
+    assert [(s.name, s.options) for s in specs] == [
+        ("dense", {}),
+        ("cis", {"budget": 512, "tau": 0.6, "block_size": 1}),
+        ("cis", {"budget": 512, "tau": 0.6, "block_size": 8}),
+        ("cis", {"budget": 512, "tau": 0.7, "block_size": 1}),
+        ("cis", {"budget": 512, "tau": 0.7, "block_size": 8}),
+        ("prhs", {"budget": 512, "block_size": 1}),
+        ("prhs", {"budget": 512, "block_size": 8}),
+    ]
+    captured.clear()
+    assert main(["compare", "--selectors", "cis", "--sweep", "n_den=2,3", "--budgets", "64,128",
+                 *_out(tmp_path), "--overwrite"]) == 0  # fmt: skip
+    assert [s.options for s in captured[0][1]] == [
+        {"n_den": 2, "budget": 64}, {"n_den": 2, "budget": 128},
+        {"n_den": 3, "budget": 64}, {"n_den": 3, "budget": 128},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sweep", "messages"),
+    [
+        ("tau", ["--sweep expects KEY=V1,V2"]),
+        ("cis.tau=", ["no values"]),
+        ("cis.tau=0.7,0.7", ["given twice"]),
+        ("cis.nope=1,2", ["'cis' has no option 'nope'"]),
+        ("phi=0.5,0.6", ["no selector among", "'phi'"]),
+        ("budget=64,128", ["--budgets"]),
+        ("cis.tau=0.7,1.5", ["tau"]),
+    ],
+    ids=["no-equals", "no-values", "twice", "unknown", "nobody-has-it", "budget", "bad-value"],
+)
+def test_bad_sweep_fails_before_any_work(
+    sweep: str, messages: list[str], no_load: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fails(["compare", "--selectors", "dense,cis", "--sweep", sweep], capsys, *messages)
+
+
+def test_an_option_swept_twice_fails(no_load: None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--selectors", "cis", "--sweep", "tau=0.6,0.7", "--sweep", "cis.tau=0.8,0.9"]
+    _fails(argv, capsys, "cis.tau is swept twice")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -440,3 +440,51 @@ def test_shared_prefill_is_reported_once() -> None:
     assert "shared dense prefill: niah 1.75 s" in text
     no_shared = report.format_table([own])
     assert "shared dense prefill" not in no_shared
+
+
+def _tau_sweep() -> list[RunResult]:
+    """CIS over three cosine thresholds at one budget, beside dense and the oracle."""
+    out = [
+        _run("dense", "ppl_kjv", 0, perplexity=9.0, beta_emp=0.0, retrieval_ratio=NAN),
+        _run("oracle", "ppl_kjv", 512, perplexity=9.1, beta_emp=0.0003, retrieval_ratio=100.0),
+    ]
+    for tau, rho, beta in ((0.6, 12.0, 0.04), (0.7, 24.0, 0.02), (0.8, 48.0, 0.008)):
+        out.append(
+            _run("cis", "ppl_kjv", 512, perplexity=9.0 + 10 * beta, beta_emp=beta,
+                 retrieval_ratio=rho, options={"tau": tau, "block_size": 1})
+        )  # fmt: skip
+    return out
+
+
+def test_varied_options_names_what_a_sweep_changed() -> None:
+    assert report.varied_options(_tau_sweep()) == {"cis": ("tau",)}
+    assert report.varied_options(sweep()) == {}  # budgets alone are not a 'set'
+
+
+def test_table_of_a_sweep_says_each_rows_value() -> None:
+    text = report.format_table(_tau_sweep())
+    head, _, *rows = text.splitlines()
+    assert head.split()[:4] == ["task", "selector", "budget", "set"]
+    cells = [r.split() for r in rows[:5]]
+    assert [c[3] for c in cells] == ["-", "-", "tau=0.6", "tau=0.7", "tau=0.8"]
+    assert "set" not in report.format_table(sweep()).splitlines()[0].split()
+    assert "  set " in report.TABLE_LEGEND
+
+
+def test_plot_of_a_sweep_draws_curves_against_the_option_and_the_beta_rho_tradeoff() -> None:
+    fig = report.figure(_tau_sweep())
+    axes = fig.axes
+    ylabels = [ax.get_ylabel() for ax in axes]
+    assert ylabels == [
+        "perplexity", "β_emp (gap to oracle)", "bytes read vs dense (%)",
+        "ρ̂: decisions that retrieved (%)", "β_emp against ρ̂",
+    ]  # fmt: skip
+    assert [ax.get_xlabel() for ax in axes] == ["tau"] * 4 + ["ρ̂ (%)"]
+    cis = next(ln for ln in axes[0].get_lines() if ln.get_label() == "cis")
+    assert list(cis.get_xdata()) == [0.6, 0.7, 0.8]
+    assert list(cis.get_ydata()) == pytest.approx([9.4, 9.2, 9.08])
+    tradeoff = next(ln for ln in axes[4].get_lines() if ln.get_label() == "cis")
+    assert list(tradeoff.get_xdata()) == [12.0, 24.0, 48.0]
+    assert list(tradeoff.get_ydata()) == pytest.approx([0.04, 0.02, 0.008])
+    # dense is the dashed reference of the quality panel; the oracle has no tau: no curve
+    assert [ln.get_label() for ln in axes[0].get_lines()] == ["cis", "dense"]

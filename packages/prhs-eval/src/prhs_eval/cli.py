@@ -259,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sweep these budgets (k) for every selector but dense",
     )
+    cmp_.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="[SEL.]KEY=V1,V2,...",
+        help="run the selectors that have option KEY (or only SEL) once per value, e.g. "
+        "cis.tau=0.6,0.7,0.8; the table gets a 'set' column and the plot curves against "
+        "KEY; repeatable (every combination runs); with --budgets, every budget too",
+    )
     _add_common(cmp_)
     return parser
 
@@ -327,13 +336,51 @@ def _specs(args: argparse.Namespace) -> list[Any]:
         raise UsageError(
             f"--budgets: no selector among {list(names)} has a budget, so it would be ignored"
         )
+    grids: dict[str, list[dict[str, Any]]] = {n: [dict(per[n])] for n in names}
+    for key, values, targets in _parse_sweeps(getattr(args, "sweep", []), names):
+        for t in targets:
+            grids[t] = [{**opts, key: v} for opts in grids[t] for v in values]
     specs = []
     for n in names:
-        if budgets and n in swept:
-            specs += [SelectorSpec(n, {**per[n], "budget": b}) for b in budgets]
-        else:
-            specs.append(SelectorSpec(n, per[n]))
+        for opts in grids[n]:
+            if budgets and n in swept:
+                specs += [SelectorSpec(n, {**opts, "budget": b}) for b in budgets]
+            else:
+                specs.append(SelectorSpec(n, opts))
     return specs
+
+
+def _parse_sweeps(
+    items: Sequence[str], names: Sequence[str]
+) -> list[tuple[str, list[Any], list[str]]]:
+    """``--sweep`` items as ``(key, values, selectors)``; the selectors follow ``--set``'s rule
+    (``SEL.KEY``: that one, which must have ``KEY``; ``KEY``: every one that has it)."""
+    from prhs_eval.runner import parse_option_value
+
+    out: list[tuple[str, list[Any], list[str]]] = []
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        if "=" not in item:
+            raise UsageError(
+                f"--sweep expects KEY=V1,V2,... or SELECTOR.KEY=V1,V2,..., got {item!r}"
+            )
+        key, raw = item.split("=", 1)
+        values = [parse_option_value(v) for v in _csv(raw)]
+        if not values:
+            raise UsageError(f"--sweep {item!r}: no values after '='")
+        if len(set(map(repr, values))) != len(values):
+            raise UsageError(f"--sweep {item!r}: a value is given twice")
+        # Which selectors: the same rule as --set, checked by the same function.
+        targets = [n for n, opts in _parse_options([f"{key}={raw}"], names).items() if opts]
+        field = key.split(".", 1)[1] if "." in key else key
+        if field == "budget":
+            raise UsageError(f"--sweep {item!r}: sweep budgets with --budgets")
+        for t in targets:
+            if (t, field) in seen:
+                raise UsageError(f"--sweep {item!r}: {t}.{field} is swept twice")
+            seen.add((t, field))
+        out.append((field, values, targets))
+    return out
 
 
 def _check_budgets(specs: Sequence[Any], context_len: int) -> None:

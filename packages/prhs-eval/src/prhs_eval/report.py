@@ -23,6 +23,7 @@ import math
 import os
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "shared_prefill_note",
     "table_legend",
     "to_json_safe",
+    "varied_options",
     "write_all",
     "write_csv",
     "write_jsonl",
@@ -172,6 +174,43 @@ def _has_budget(r: RunResult) -> bool:
     return r.selector != DENSE and r.budget is not None
 
 
+def varied_options(results: Sequence[RunResult]) -> dict[str, tuple[str, ...]]:
+    """Per selector, the options (``budget`` aside) whose values differ between its runs in
+    ``results``: what a sweep (``prhs-eval compare --sweep``) varied. Selectors whose runs all
+    share their options are left out.
+
+    Returns
+    -------
+    dict of str to tuple of str
+        ``{selector: (option, ...)}`` in the options' order.
+    """
+    seen: dict[str, dict[str, list[Any]]] = {}
+    for r in results:
+        per = seen.setdefault(r.selector, {})
+        for key, value in r.options.items():
+            values = per.setdefault(key, [])
+            if value not in values:
+                values.append(value)
+    out = {}
+    for name, per in seen.items():
+        keys = tuple(k for k, vs in per.items() if k != "budget" and len(vs) > 1)
+        if keys:
+            out[name] = keys
+    return out
+
+
+def _set_cell(varied: Mapping[str, tuple[str, ...]]) -> Callable[[RunResult], str]:
+    def cell(r: RunResult) -> str:
+        keys = varied.get(r.selector, ())
+        return " ".join(f"{k}={_option_text(r.options.get(k))}" for k in keys) or _MISSING
+
+    return cell
+
+
+def _option_text(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
 def _dense_layers(r: RunResult) -> str:
     n = r.options.get("dense_layers")
     return str(n) if isinstance(n, int) and not isinstance(n, bool) else _MISSING
@@ -225,6 +264,7 @@ _LEGEND: dict[str, str] = {
     "selector": "the selector (sparse-attention method); dense is full attention, the reference",
     "budget": "k, KV positions a selector may read per step beyond its sink and local windows "
     "(- : no budget, dense)",
+    "set": "the options a sweep varied for this row (--sweep; - : none)",
     "dense L": "leading layers the selector leaves dense, outside its budget (Quest's "
     "dense_layers; - : none)",
     "acc": "accuracy: mean task score, % (generation tasks)",
@@ -257,6 +297,7 @@ def table_legend() -> str:
         newline; ``-`` marks a missing value, and magnitudes below 1e-12 show as 0.
     """
     headers = [h for h, _, _ in _COLUMNS]
+    headers.insert(headers.index("budget") + 1, "set")
     width = max(_display_width(h) for h in headers)
     lines = ["Columns:"]
     lines += [f"  {_pad(h, width, False)}  {_LEGEND[h]}" for h in headers]
@@ -279,8 +320,9 @@ def format_table(results: Sequence[RunResult]) -> str:
     of the shared dense prefill is given once per task (:func:`shared_prefill_note`); rows
     that reused it show ``shared`` in ``prefill s``. :data:`TABLE_LEGEND` explains every column.
 
-    Columns: ``task``, ``selector`` (name), ``budget`` (``-`` for dense), ``dense L`` (Quest's
-    dense layers),
+    Columns: ``task``, ``selector`` (name), ``budget`` (``-`` for dense), ``set`` (only when a
+    selector's runs differ in an option other than the budget, as in a sweep: that option's
+    value, see :func:`varied_options`), ``dense L`` (Quest's dense layers),
     ``acc`` (% with one decimal), ``ppl`` (three decimals), ``δ mean``, ``δ max`` and ``β_emp``
     (four significant digits), ``overlap`` (oracle overlap), ``ρ̂ %``, ``Avg KV``, ``KB/step``
     (bytes read per decode step / 1024), ``vs dense`` (bytes read as % of dense), ``B_MI`` and
@@ -305,11 +347,14 @@ def format_table(results: Sequence[RunResult]) -> str:
     """
     items = _require(results, "format_table")
     ordered = [r for group in _group_by_task(items).values() for r in group]
-    cells = [[cell(r) for _, _, cell in _COLUMNS] for r in ordered]
-    headers = [h for h, _, _ in _COLUMNS]
-    widths = [
-        max(_display_width(row[i]) for row in [headers, *cells]) for i in range(len(_COLUMNS))
-    ]
+    columns = list(_COLUMNS)
+    varied = varied_options(items)
+    if varied:  # a sweep: say which value each row ran with, after the budget
+        at = [h for h, _, _ in columns].index("budget") + 1
+        columns.insert(at, ("set", False, _set_cell(varied)))
+    cells = [[cell(r) for _, _, cell in columns] for r in ordered]
+    headers = [h for h, _, _ in columns]
+    widths = [max(_display_width(row[i]) for row in [headers, *cells]) for i in range(len(columns))]
     sep = "  "
     if sum(widths) + len(sep) * (len(widths) - 1) > _MAX_TABLE_WIDTH:
         sep = " "
@@ -317,7 +362,7 @@ def format_table(results: Sequence[RunResult]) -> str:
     def line(row: Sequence[str]) -> str:
         return sep.join(
             _pad(text, w, right)
-            for text, w, (_, right, _) in zip(row, widths, _COLUMNS, strict=True)
+            for text, w, (_, right, _) in zip(row, widths, columns, strict=True)
         ).rstrip()
 
     head = line(headers)
@@ -439,6 +484,8 @@ _YLABELS = {
     "perplexity": "perplexity",
     "beta": "β_emp (gap to oracle)",
     "bytes": "bytes read vs dense (%)",
+    "rho": "ρ̂: decisions that retrieved (%)",
+    "beta-rho": "β_emp against ρ̂",
 }
 
 
@@ -450,6 +497,8 @@ def _y(r: RunResult, attr: str) -> float:
     if attr == "beta":
         b = r.metrics.beta_emp
         return _denoise(b) if _finite(b) else b
+    if attr == "rho":
+        return r.metrics.retrieval_ratio
     if r.selector == DENSE:
         return 100.0
     return 100.0 * _ratio(r.metrics.bytes_per_step, r.metrics.dense_bytes_per_step)
@@ -471,8 +520,12 @@ def figure(results: Sequence[RunResult]) -> Any:
     read vs dense in %, with the tasks on the x axis and one bar per selector (dense
     included: its β_emp is 0 and its bytes 100%). With several budgets: one column per task
     (titled with the task) and one row per metric (quality, ``β_emp``, bytes vs dense),
-    each selector a curve against the budget and dense a dashed horizontal reference. Each
-    selector keeps one colour everywhere; the legend (below the panels) names them.
+    each selector a curve against the budget and dense a dashed horizontal reference. With one
+    budget and a swept option (:func:`varied_options`, a number, e.g. CIS's ``tau``): the same
+    curves against that option; then, when some run retrieved on only part of its decisions
+    (``0 < ρ̂ < 100``), two more rows: ``ρ̂`` against the option and ``β_emp`` against ``ρ̂``
+    (the trade-off the option moves along). Each selector keeps one colour everywhere; the
+    legend (below the panels) names them.
     ``β_emp`` is on a log axis when every value is positive (symlog when some are 0), and
     values below :data:`ZERO_BELOW` are 0.
 
@@ -501,10 +554,21 @@ def figure(results: Sequence[RunResult]) -> Any:
     colors = {n: ("black" if n == DENSE else f"C{curves.index(n) % 10}") for n in names}
     markers = {n: _MARKERS[curves.index(n) % len(_MARKERS)] for n in curves}
     budgets = sorted({r.budget for r in items if r.budget is not None and r.selector != DENSE})
-    if len(budgets) <= 1:
-        fig, handles = _bars(items, groups, tasks, names, colors, budgets)
+    swept = _swept_key(items)
+    if len(budgets) > 1:
+        axis = _Axis("budget (KV positions)", lambda r: r.budget if _has_budget(r) else None,
+                     budgets)  # fmt: skip
+        fig, handles = _curves(items, groups, tasks, curves, colors, markers, axis)
+    elif swept is not None:
+        key = swept
+        values = sorted({v for r in items if r.selector != DENSE
+                         and _is_number(v := r.options.get(key))})  # fmt: skip
+        axis = _Axis(
+            key, lambda r: r.options.get(key) if r.selector != DENSE else None, values, True
+        )
+        fig, handles = _curves(items, groups, tasks, curves, colors, markers, axis)
     else:
-        fig, handles = _curves(items, groups, tasks, curves, colors, markers, budgets)
+        fig, handles = _bars(items, groups, tasks, names, colors, budgets)
     FigureCanvasAgg(fig)
     fig.suptitle(_title(items))
     if handles:
@@ -513,6 +577,30 @@ def figure(results: Sequence[RunResult]) -> Any:
             handles=handles, loc="outside lower center", ncols=ncols, frameon=False, fontsize=9
         )
     return fig
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """The x axis of curves: its label, each run's x (``None``: not on a curve), the ticks."""
+
+    label: str
+    x: Callable[[RunResult], Any]
+    ticks: Sequence[float]
+    tradeoff: bool = False  # add the ρ̂ and β-against-ρ̂ rows when some run has 0 < ρ̂ < 100
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _swept_key(items: Sequence[RunResult]) -> str | None:
+    """The first numeric option (budget aside) a sweep varied, or ``None``."""
+    for keys in varied_options(items).values():
+        for key in keys:
+            values = [r.options.get(key) for r in items if key in r.options]
+            if all(_is_number(v) for v in values):
+                return key
+    return None
 
 
 def _figsize(cols: int, rows: int, entries: int) -> tuple[float, float]:
@@ -571,17 +659,21 @@ def _curves(
     curves: Sequence[str],
     colors: Mapping[str, str],
     markers: Mapping[str, str],
-    budgets: Sequence[int],
+    axis: _Axis,
 ) -> tuple[Any, list[Any]]:
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import NullLocator
 
     rows = ["quality", "beta", "bytes"]
+    on_curve = [r for r in items if r.selector != DENSE and _is_number(axis.x(r))]
+    if axis.tradeoff and any(0.0 < r.metrics.retrieval_ratio < 100.0 for r in on_curve):
+        rows += ["rho", "beta-rho"]  # a selector that retrieves on some steps only: its trade-off
     has_dense = any(r.selector == DENSE for r in items)
     entries = len(curves) + int(has_dense)
     fig = Figure(figsize=_figsize(len(tasks), len(rows), entries), dpi=DPI, layout="constrained")
     grid = fig.subplots(len(rows), len(tasks), squeeze=False)
+    ticks = list(axis.ticks)
     for col, task in enumerate(tasks):
         runs = groups[task]
         for row, what in enumerate(rows):
@@ -589,29 +681,33 @@ def _curves(
             attr = _task_metric(runs) if what == "quality" else what
             values: list[float] = []
             for name in curves:
-                pts = sorted(
-                    (r.budget, _y(r, attr))
-                    for r in runs
-                    if r.selector == name and _has_budget(r) and _finite(_y(r, attr))
-                )
+                mine = [r for r in runs if r.selector == name and _is_number(axis.x(r))]
+                if attr == "beta-rho":
+                    pts = sorted((_y(r, "rho"), _y(r, "beta")) for r in mine)
+                else:
+                    pts = sorted((axis.x(r), _y(r, attr)) for r in mine)
+                pts = [(x, y) for x, y in pts if _finite(x) and _finite(y)]
                 if not pts:
                     continue
                 xs, ys = zip(*pts, strict=True)
                 values += ys
                 ax.plot(xs, ys, color=colors[name], marker=markers[name], linewidth=1.5,
                         markersize=6, label=name)  # fmt: skip
+            if attr in ("beta-rho", "rho"):
+                ax.set_xlabel("ρ̂ (%)" if attr == "beta-rho" else axis.label)
             dense = [_y(r, attr) for r in runs if r.selector == DENSE and _finite(_y(r, attr))]
-            if dense:
+            if dense and attr not in ("rho", "beta-rho"):
                 y = sum(dense) / len(dense)
                 values.append(y)
                 ax.axhline(y, color="black", linestyle="--", linewidth=1.2, label=DENSE)
-            if attr == "beta":
+            if attr in ("beta", "beta-rho"):
                 _beta_scale(ax, values)
-            if budgets[0] > 0 and budgets[-1] >= 4 * budgets[0]:
-                ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_xlabel("budget (KV positions)")
+            if attr != "beta-rho":
+                if ticks and ticks[0] > 0 and ticks[-1] >= 4 * ticks[0]:
+                    ax.set_xscale("log", base=2)
+                ax.set_xticks(ticks, [_option_text(t) for t in ticks])
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.set_xlabel(axis.label)
             ax.set_ylabel(_YLABELS[attr])
             ax.set_title(task)
             ax.grid(True, which="major", alpha=0.3)
