@@ -56,9 +56,12 @@ def test_dilation_adds_exactly_p_plus_minus_j(seed, m, r):
 # ---------------------------------------------------------------------------------------------
 # paper mode: the reuse rule and what a reuse reads
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, tools, layout, block_size):
-    cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1)
+@pytest.mark.parametrize(("block_size", "block_score"), [(1, "max"), (4, "max"), (4, "mass")])
+def test_paper_mode_reuses_exactly_when_the_rule_says(
+    make_sim, tools, layout, block_size, block_score
+):
+    cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1,
+                    block_score=block_score)  # fmt: skip
     sel = CIS(cfg)
     steps = 14
     sim = make_sim(
@@ -108,7 +111,11 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(make_sim, tools, layout, b
                     assert got == want
                 else:
                     seen["stale" if has[i, j] and not fresh[i, j] else "retrieve"] += 1
-                    bmax = tools.block_max(probs[i, j, :tt].tolist(), s)
+                    row = probs[i, j, :tt].tolist()
+                    if block_score == "max":
+                        bmax = tools.block_max(row, s)
+                    else:  # the block's attention mass
+                        bmax = [sum(row[x * s : (x + 1) * s]) for x in range(nb)]
                     cand = [x for x in range(nb) if x not in win]
                     top = tools.brute_topk(cand, k_blocks, bmax)
                     tools.assert_same_topk(set(anchor), top, bmax, atol=1e-6)
@@ -270,3 +277,5 @@ def test_cis_config_errors():
         CISConfig(delta_max=0.1, budget=64, k_max=32)
     with pytest.raises(ValueError, match="n_den"):
         CISConfig(n_den=0)
+    with pytest.raises(ValueError, match=r"block score must be one of \('max', 'mass'\)"):
+        CISConfig(block_score="sum")

@@ -83,9 +83,10 @@ def test_decide_matches_the_reference(g, d):
 
 
 @pytest.mark.parametrize(
-    ("s", "n_sink", "n_local"), [(1, 4, 8), (8, 4, 32), (4, 0, 0), (16, 20, 5)]
-)
-def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local):
+    ("s", "n_sink", "n_local", "score"),
+    [(1, 4, 8, "max"), (8, 4, 32, "max"), (4, 0, 0, "max"), (16, 20, 5, "max"), (8, 4, 32, "mass")],
+)  # fmt: skip
+def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local, score):
     gen = torch.Generator().manual_seed(s + n_local)
     lens = [1300, 77, 1]
     data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=s)
@@ -95,7 +96,7 @@ def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local):
     # the others with -inf (several items per program here: 4 "multiprocessors" on the CPU).
     for active in (some, torch.zeros_like(some), torch.ones_like(some)):
         for name, kv in data.layouts.items():
-            kw = dict(block_size=s, n_sink=n_sink, n_local=n_local)
+            kw = dict(block_size=s, n_sink=n_sink, n_local=n_local, score=score)
             got = retrieval_block_scores(q, kv, 0.25, active, **kw, path=PATH)
             want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
             assert got.shape == (3, 2, -(-max(lens) // s)), name

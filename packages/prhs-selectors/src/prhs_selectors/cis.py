@@ -38,6 +38,7 @@ from prhs_core.state import SelectorState
 from prhs_core.theory import log_reuse_certificate
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.cis import (
+    check_block_score,
     cis_compose,
     cis_decide,
     cis_path,
@@ -75,6 +76,10 @@ class CISConfig(SelectorConfig):
         Always-selected windows; ``n_local`` also bounds how long an anchor lives.
     block_size:
         ``s``: selection and reading in aligned blocks (CIS-8, CIS-16); 1 is per token.
+    block_score:
+        How a retrieval ranks blocks (``s > 1``): ``"max"``, a block's largest group-mean
+        probability (the paper's reading), or ``"mass"``, the sum of its positions'
+        probabilities, the attention mass it holds (what the dropped mass counts).
     tau:
         Cosine threshold ``τ`` between the group's concatenated queries and the anchor's.
     n_den:
@@ -96,6 +101,7 @@ class CISConfig(SelectorConfig):
     n_sink: int = 4
     n_local: int = 32
     block_size: int = 8
+    block_score: str = "max"
     tau: float = 0.8
     n_den: int = 3
     r: int = 1
@@ -110,6 +116,7 @@ class CISConfig(SelectorConfig):
             raise TypeError(f"tau must be a float, got {type(self.tau).__name__}")
         if not -1.0 <= self.tau <= 1.0:
             raise ValueError(f"tau is a cosine threshold and must lie in [-1, 1], got {self.tau}")
+        check_block_score(self.block_score)
         check_int("n_den", self.n_den, minimum=1)
         check_int("r", self.r, minimum=0)
         if not isinstance(self.require_cosine, bool):
@@ -289,6 +296,7 @@ class CIS(BaseSelector):
             block_size=c.block_size,
             n_sink=c.n_sink,
             n_local=c.n_local,
+            score=c.block_score,
             path=path,
         )
         new_idx, new_scores = top_blocks(scores, self.anchor_width(), retrieve, path=path)
@@ -407,12 +415,13 @@ class CIS(BaseSelector):
         self, kv: KVLayout, probs: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A certified retrieval's ``S_a``: ``(indices [B, H, M], counts [B, H])``, the list
-        ordered by block score (max group probability), largest first."""
+        ordered by block score (``block_score``: max group probability or mass), largest
+        first."""
         c = self.config
         # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped;
         # only the sink is left out of the candidates.
         s = c.block_size
-        block_scores = block_reduce(probs, s, "max")
+        block_scores = block_reduce(probs, s, "max" if c.block_score == "max" else "sum")
         mass = block_reduce(probs.double(), s, "sum")
         nb = mass.shape[-1]
         sink_end = (torch.clamp(kv.seq_lens, max=c.n_sink) + s - 1) // s

@@ -33,7 +33,9 @@ from prhs_kernels.score import check_query, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
 __all__ = [
+    "BLOCK_SCORES",
     "block_eligible_reference",
+    "check_block_score",
     "cis_compose",
     "cis_compose_reference",
     "cis_decide",
@@ -117,23 +119,37 @@ def retrieval_block_scores(
     block_size: int,
     n_sink: int,
     n_local: int,
+    score: str = "max",
     path: str = "torch",
 ) -> torch.Tensor:
-    """``[B, Hkv, ceil(T / s)]`` float32: each block's largest group-mean probability on the
-    ``active [B, Hkv]`` rows, ``-inf`` for blocks that do not exist or hold a sink or local
-    position and on the other rows (whose keys the Triton path does not read)."""
+    """``[B, Hkv, ceil(T / s)]`` float32: each block's score on the ``active [B, Hkv]`` rows,
+    ``-inf`` for blocks that do not exist or hold a sink or local position and on the other rows
+    (whose keys the Triton path does not read). ``score="max"``: the block's largest group-mean
+    probability; ``"mass"``: the sum of its positions' group-mean probabilities (the attention
+    mass the block holds)."""
     check_query(query, kv)
     check_bool_mask("active", active, (kv.batch_size, kv.num_kv_heads))
     check_int("block_size", block_size, minimum=1)
+    check_block_score(score)
     announce("retrieval_block_scores", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import retrieval_block_scores_triton
 
         return retrieval_block_scores_triton(
-            query, kv, scaling, block_size, n_sink, n_local, active
+            query, kv, scaling, block_size, n_sink, n_local, active, score
         )
     probs = retrieval_probs(query, kv, scaling, active)
-    return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active)
+    return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active, score)
+
+
+BLOCK_SCORES = ("max", "mass")
+"""How :func:`retrieval_block_scores` scores a block: its largest probability, or its mass."""
+
+
+def check_block_score(score: object) -> None:
+    """Raise ``ValueError`` unless ``score`` is one of :data:`BLOCK_SCORES`."""
+    if score not in BLOCK_SCORES:
+        raise ValueError(f"block score must be one of {BLOCK_SCORES}, got {score!r}")
 
 
 def top_blocks(

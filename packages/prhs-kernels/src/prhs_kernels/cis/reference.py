@@ -84,11 +84,14 @@ def retrieval_block_scores_reference(
     n_sink: int,
     n_local: int,
     active: torch.Tensor | None,
+    score: str = "max",
 ) -> torch.Tensor:
-    """``[B, Hkv, NB]`` float32: the largest group probability of each ``block_size``-block of
-    ``probs [B, Hkv, T]`` (:func:`prhs_kernels.score.retrieval_probs`), ``-inf`` for blocks that
-    do not exist or hold a sink or local position, and on rows that are not ``active``."""
-    scores = block_reduce_reference(probs, block_size, "max") if block_size > 1 else probs
+    """``[B, Hkv, NB]`` float32: the largest group probability (``score="max"``) or the summed
+    group probability (``"mass"``) of each ``block_size``-block of ``probs [B, Hkv, T]``
+    (:func:`prhs_kernels.score.retrieval_probs`), ``-inf`` for blocks that do not exist or hold
+    a sink or local position, and on rows that are not ``active``."""
+    op = "max" if score == "max" else "sum"
+    scores = block_reduce_reference(probs, block_size, op) if block_size > 1 else probs
     ok = block_eligible_reference(kv.seq_lens, scores.shape[-1], block_size, n_sink, n_local)
     ok = ok.unsqueeze(1)
     if active is not None:

@@ -128,6 +128,7 @@ def _block_scores_kernel(
     TILE_BLOCKS: tl.constexpr,
     FILL_BLOCKS: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    MASS: tl.constexpr,
 ):
     # A persistent grid over two kinds of work item: (active row, tile of TILE_BLOCKS blocks),
     # scored, then (inactive row, FILL_BLOCKS blocks), filled with -inf. Each program ranks the
@@ -174,7 +175,10 @@ def _block_scores_kernel(
                 other=float("-inf"),
             )  # [G_POW, blocks, BS]
             p = tl.sum(tl.where(g_ok[:, None, None], tl.exp(lg - lse[:, None, None]), 0.0), 0) / G
-            best = tl.max(p, 1)  # [blocks]
+            if MASS:
+                best = tl.sum(p, 1)  # [blocks]: the attention mass of each block
+            else:
+                best = tl.max(p, 1)  # [blocks]: its largest probability
             ok = (j < nb_seq) & (j >= sink_end) & (j < local_first)
             out = SCORES + pid.to(tl.int64) * n_blocks + j
             tl.store(out, tl.where(ok, best, float("-inf")), mask=j < n_blocks)
@@ -540,6 +544,7 @@ def retrieval_block_scores_triton(
     n_sink: int,
     n_local: int,
     active: torch.Tensor,
+    score: str = "max",
 ) -> torch.Tensor:
     b, hq, _ = query.shape
     h = kv.num_kv_heads
@@ -564,7 +569,7 @@ def retrieval_block_scores_triton(
         t, b * h, nb, n_spans, n_sink, n_local,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         TILE_BLOCKS=_pow2(tile_blocks, 1), FILL_BLOCKS=fill_blocks,
-        BLOCK_R=_pow2(b * h, 2), num_warps=4,
+        BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", num_warps=4,
     )  # fmt: skip
     return scores
 
