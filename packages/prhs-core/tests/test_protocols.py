@@ -101,6 +101,9 @@ def test_frozen_prefix_is_floor_of_e_times_l(e: float) -> None:
         got = plan.frozen_prefix(n)
         assert got == math.floor(e * n) and isinstance(got, int)
         assert 0 <= got < max(n, 1)  # a fraction below 1 never freezes every row
+        assert plan.frozen_rows(n) == (0, got)
+        sinks = PrefillLayerPlan(1, n_sink=4, frozen_fraction=e)
+        assert sinks.frozen_rows(n) == (min(4, got), got)  # sink rows are never frozen
 
 
 def ref_prefill_mask(n: int, f: float, n_sink: int) -> list[list[bool]]:

@@ -195,9 +195,10 @@ def test_windowed_prefill_attention_is_the_masked_attention(make_tiny, monkeypat
         runtime.disable()
 
 
-def test_etf_freezes_the_planned_prefix(make_tiny):
+@pytest.mark.parametrize("n_sink", [0, 2])
+def test_etf_freezes_the_planned_prefix(make_tiny, n_sink):
     model = make_tiny("llama")
-    runtime = prhs_eval.enable(model, "etf", start_layer=1, psi=0.5)
+    runtime = prhs_eval.enable(model, "etf", start_layer=1, psi=0.5, n_sink=n_sink)
     layers = model.model.layers
     seen = {}
 
@@ -221,11 +222,13 @@ def test_etf_freezes_the_planned_prefix(make_tiny):
     for i in range(4):
         hidden_in, out = seen[i]
         for b, n in enumerate([24, 16]):
-            e = runtime.selector.plan_prefill(i, 4).frozen_prefix(n)
+            a, e = runtime.selector.plan_prefill(i, 4).frozen_rows(n)
             s = 24 - n
-            assert torch.equal(out[b, s : s + e], hidden_in[b, s : s + e])
+            assert torch.equal(out[b, s + a : s + e], hidden_in[b, s + a : s + e])
             assert not torch.equal(out[b, s + e :], hidden_in[b, s + e :])
-    assert runtime.selector.plan_prefill(3, 4).frozen_prefix(24) > 0
+            for row in range(s, s + a):  # the sink rows are updated like any live row
+                assert not torch.equal(out[b, row], hidden_in[b, row])
+    assert runtime.selector.plan_prefill(3, 4).frozen_rows(24) == (n_sink, 10)
 
 
 def test_bad_input_is_rejected_before_the_model_changes(make_tiny):

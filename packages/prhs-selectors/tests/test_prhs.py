@@ -28,7 +28,7 @@ def test_prefill_plans_follow_both_formulas_with_the_default_start(n):
         assert plan.window_fraction == f and plan.frozen_fraction == e
         assert plan.window_start(40).tolist() == [math.floor(f * t) for t in range(40)]
         assert plan.frozen_prefix(40) == math.floor(e * 40)
-        assert plan.n_sink == (4 if f > 0 else 0)
+        assert plan.n_sink == 4  # PSAW's visible sinks are the rows ETF keeps live
 
 
 def test_cpe_combines_psaw_and_etf():
@@ -39,10 +39,12 @@ def test_cpe_combines_psaw_and_etf():
     assert torch.equal(plan.window_start(40), psaw.window_start(40))
     assert plan.window_fraction == psaw.window_fraction
     assert plan.frozen_prefix(40) == etf.frozen_prefix(40) > 0
+    assert plan.frozen_rows(40) == etf.frozen_rows(40) == (4, plan.frozen_prefix(40))
     assert plan.n_sink == 4
     assert PrHS(PrHSConfig(start_layer=2, n_sink=7)).plan_prefill(5, 8).n_sink == 7
     no_psaw = PrHS(PrHSConfig(start_layer=2, use_psaw=False)).plan_prefill(5, 8)
     assert no_psaw.window_fraction == 0.0 and no_psaw.frozen_fraction == etf.frozen_fraction
+    assert no_psaw.frozen_rows(40) == etf.frozen_rows(40)  # sinks live without PSAW too
     no_etf = PrHS(PrHSConfig(start_layer=2, use_etf=False)).plan_prefill(5, 8)
     assert no_etf.frozen_fraction == 0.0 and no_etf.window_fraction == psaw.window_fraction
     off = PrHS(PrHSConfig(start_layer=2, use_psaw=False, use_etf=False)).plan_prefill(5, 8)

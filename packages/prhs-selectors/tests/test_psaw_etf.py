@@ -15,6 +15,7 @@ import torch
 from prhs_core.protocols import PrefillLayerPlan, PrefillPlanner
 from prhs_core.registry import selectors
 from prhs_selectors import ETF, PSAW, ETFConfig, PSAWConfig
+from prhs_selectors.prefill import DecoderDims, prefill_flops
 
 
 def _fraction(base: float, power: float, layer: int, n: int, ls: int) -> float:
@@ -55,22 +56,24 @@ def test_psaw_window_matches_the_formula(n, start, phi, alpha, n_sink):
 
 
 @pytest.mark.parametrize(
-    ("n", "start", "psi", "gamma"),
-    [(12, None, 0.7, 1.0), (32, None, 0.7, 2.0), (8, 3, 0.2, 0.5)],
-    ids=["N12-default", "N32-gamma2", "N8-ls3"],
+    ("n", "start", "psi", "gamma", "n_sink"),
+    [(12, None, 0.7, 1.0, 4), (32, None, 0.7, 2.0, 0), (8, 3, 0.2, 0.5, 2)],
+    ids=["N12-default", "N32-gamma2-published", "N8-ls3-sink2"],
 )
-def test_etf_frozen_prefix_matches_the_formula(n, start, psi, gamma):
-    sel = ETF(ETFConfig(psi=psi, gamma=gamma, start_layer=start))
+def test_etf_frozen_prefix_matches_the_formula(n, start, psi, gamma, n_sink):
+    sel = ETF(ETFConfig(psi=psi, gamma=gamma, start_layer=start, n_sink=n_sink))
     assert isinstance(sel, PrefillPlanner)
     ls = n // 2 if start is None else start
     prefixes = []
     for layer in range(n):
         plan = sel.plan_prefill(layer, n)
-        assert plan.window_fraction == 0.0 and plan.n_sink == 0
+        assert plan.window_fraction == 0.0 and plan.n_sink == n_sink
         frac = _fraction(psi, gamma, layer, n, ls)
         assert plan.frozen_fraction == frac
         for length in (0, 1, 7, 101, 4096):
-            assert plan.frozen_prefix(length) == math.floor(frac * length)
+            e = math.floor(frac * length)
+            assert plan.frozen_prefix(length) == e
+            assert plan.frozen_rows(length) == (min(n_sink, e), e)  # the sinks stay live
         assert plan.is_dense == (layer <= ls)
         prefixes.append(plan.frozen_prefix(101))
     assert prefixes == sorted(prefixes) and prefixes[-1] < 101
@@ -108,3 +111,46 @@ def test_prefill_plan_errors():
         PSAW().plan_prefill(-1, 8)
     with pytest.raises(ValueError, match="prompt_len"):
         PSAW().plan_prefill(7, 8).window_start(-1)
+
+
+def _brute_prefill_flops(planner, dims, n):
+    """Row by row, from each layer plan's attention mask and frozen rows."""
+    hq, hkv, d, hid = dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.hidden
+    total = 0.0
+    plans = getattr(planner, "plan_prefill", lambda layer, _: PrefillLayerPlan(layer))
+    for layer in range(dims.num_layers):
+        plan = plans(layer, dims.num_layers)
+        mask = plan.attention_mask(n)
+        a, e = plan.frozen_rows(n)
+        for t in range(n):
+            total += 2 * hid * 2 * hkv * d  # K and V: every row
+            if a <= t < e:
+                continue
+            total += 2 * (2 * hid * hq * d + 3 * hid * dims.intermediate)
+            total += 2 * 2 * hq * d * int(mask[t].sum())
+    return total
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("dense", {}), ("psaw", {"phi": 0.3, "n_sink": 2}), ("etf", {"psi": 0.4, "n_sink": 3}),
+     ("prhs", {"phi": 0.4, "psi": 0.5, "start_layer": 1})],
+)  # fmt: skip
+def test_prefill_flops_count_what_the_plans_skip(name, options):
+    dims = DecoderDims(num_layers=6, hidden=16, intermediate=40, num_q_heads=4, num_kv_heads=2,
+                       head_dim=4)  # fmt: skip
+    sel = selectors.create(name, **options)
+    planned, dense = prefill_flops(sel, dims, 37)
+    assert planned == pytest.approx(_brute_prefill_flops(sel, dims, 37), rel=1e-12)
+    assert dense == pytest.approx(_brute_prefill_flops(selectors.create("dense"), dims, 37))
+    assert (planned < dense) == (name != "dense")
+
+
+def test_decoder_dims_from_a_transformers_config():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
+                          num_attention_heads=9, num_key_value_heads=3)  # fmt: skip
+    assert DecoderDims.from_config(cfg) == DecoderDims(30, 576, 1536, 9, 3, 64)
+    with pytest.raises(ValueError, match="hidden"):
+        DecoderDims(30, 0, 1536, 9, 3, 64)

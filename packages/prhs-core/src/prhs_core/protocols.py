@@ -167,9 +167,11 @@ class PrefillLayerPlan:
         ``f_ℓ``: prompt row ``t`` attends to ``[⌊f_ℓ·t⌋, t]`` beside the sinks (PSAW);
         ``0`` is plain causal attention.
     n_sink:
-        Row ``t`` always sees positions ``[0, min(n_sink, t + 1))``.
+        Row ``t`` always sees positions ``[0, min(n_sink, t + 1))``, and the first ``n_sink``
+        rows are never frozen (the attention sinks every later row reads; see
+        :meth:`frozen_rows`).
     frozen_fraction:
-        ``e_ℓ``: rows ``[0, ⌊e_ℓ·L⌋)`` of a prompt of ``L`` tokens are frozen at this layer
+        ``e_ℓ``: rows ``[n_sink, ⌊e_ℓ·L⌋)`` of a prompt of ``L`` tokens are frozen at this layer
         (ETF): no query, attention output or MLP is computed for them; their keys/values are
         still computed from the frozen hidden state. ``0`` freezes nothing.
     """
@@ -203,9 +205,16 @@ class PrefillLayerPlan:
         return torch.floor(self.window_fraction * t).to(torch.long)
 
     def frozen_prefix(self, prompt_len: int) -> int:
-        """``E_ℓ = ⌊e_ℓ·L⌋``: frozen rows of a prompt of ``prompt_len`` tokens."""
+        """``E_ℓ = ⌊e_ℓ·L⌋``: where the frozen rows of a prompt of ``prompt_len`` tokens end."""
         check_int("prompt_len", prompt_len, minimum=0)
         return math.floor(self.frozen_fraction * prompt_len)
+
+    def frozen_rows(self, prompt_len: int) -> tuple[int, int]:
+        """``(start, end)``: the rows ``[start, end)`` frozen at this layer, ``end = E_ℓ`` and
+        ``start = min(n_sink, E_ℓ)`` (the sink rows stay live); ``start == end`` freezes
+        nothing."""
+        end = self.frozen_prefix(prompt_len)
+        return min(self.n_sink, end), end
 
     def attention_mask(
         self, prompt_len: int, device: torch.device | str | None = None, first_row: int = 0

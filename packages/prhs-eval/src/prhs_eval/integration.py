@@ -362,13 +362,15 @@ class PrhsRuntime:
         if self._prompt_rows is None:  # once per forward: the rows' (start, length) on the host
             start, lens = _row_bounds(self._row_mask, b, t, hidden_in.device)
             self._prompt_rows = list(zip(start.tolist(), lens.tolist(), strict=True))
-        # Frozen rows [start, start + E_ℓ(length)) of each sequence, as a per-row bound.
+        # Frozen rows [start + a, start + E_ℓ(length)) of each sequence (a: its sink rows,
+        # which stay live), as per-row bounds.
         plan = self._planner.plan_prefill(layer, self.spec.num_layers)
-        frozen_len = [plan.frozen_prefix(n) for _, n in self._prompt_rows]
-        if not any(frozen_len):
+        frozen = [plan.frozen_rows(n) for _, n in self._prompt_rows]
+        if not any(a < e for a, e in frozen):
             return output
-        lo = torch.tensor([s for s, _ in self._prompt_rows], device=hidden_in.device)
-        hi = lo + torch.tensor(frozen_len, device=hidden_in.device)
+        first = torch.tensor([s for s, _ in self._prompt_rows], device=hidden_in.device)
+        lo = first + torch.tensor([a for a, _ in frozen], device=hidden_in.device)
+        hi = first + torch.tensor([e for _, e in frozen], device=hidden_in.device)
         pos = torch.arange(t, device=hidden_in.device).view(1, -1)
         frozen = (pos >= lo.view(-1, 1)) & (pos < hi.view(-1, 1))
         new = torch.where(frozen.unsqueeze(-1), hidden_in, out)

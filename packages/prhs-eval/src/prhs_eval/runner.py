@@ -117,7 +117,8 @@ def _changes_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
         return False
     for layer in range(num_layers):
         plan = selector.plan_prefill(layer, num_layers)
-        if plan.window_fraction > 0.0 or plan.frozen_prefix(prompt_len) > 0:
+        start, end = plan.frozen_rows(prompt_len)
+        if plan.window_fraction > 0.0 or end > start:
             return True
     return False
 

@@ -1,8 +1,9 @@
 """``etf``: Early Token Freezing, PrHS's prefill selector on the layer axis.
 
-In layer ``ℓ ≥ ℓ_s`` the prefix ``[0, E_ℓ)``, ``E_ℓ = ⌊(1 − ψ^{γ(ℓ−ℓ_s)/(N−ℓ_s)})·L⌋`` of a
-prompt of ``L`` tokens, is frozen: those rows keep their hidden state; their keys/values are
-still computed so later rows can attend to them. Decode is dense.
+In layer ``ℓ ≥ ℓ_s`` the rows ``[n_sink, E_ℓ)``, ``E_ℓ = ⌊(1 − ψ^{γ(ℓ−ℓ_s)/(N−ℓ_s)})·L⌋`` of a
+prompt of ``L`` tokens, are frozen: those rows keep their hidden state; their keys/values are
+still computed so later rows can attend to them. The first ``n_sink`` rows (the attention
+sinks) stay live; ``n_sink = 0`` is the formula as published. Decode is dense.
 """
 
 from __future__ import annotations
@@ -30,15 +31,20 @@ class ETFConfig:
         ``γ > 0`` (1): how fast the frozen prefix grows with depth.
     start_layer:
         ``ℓ_s`` (``N/2`` when ``None``).
+    n_sink:
+        The first rows, never frozen (4): every later row attends to these sinks, so a stale
+        sink moves every row's attention. ``0`` freezes from row 0, as published.
     """
 
     psi: float = 0.7
     gamma: float = 1.0
     start_layer: int | None = None
+    n_sink: int = 4
 
     def __post_init__(self) -> None:
         check_fraction("psi", self.psi)
         check_positive("gamma", self.gamma)
+        check_int("n_sink", self.n_sink, minimum=0)
         if self.start_layer is not None:
             check_int("start_layer", self.start_layer, minimum=0)
 
@@ -55,4 +61,4 @@ class ETF(Dense):
     def plan_prefill(self, layer: int, num_layers: int) -> PrefillLayerPlan:
         c = self.config
         frac = depth_fraction(c.psi, c.gamma, layer, num_layers, c.start_layer)
-        return PrefillLayerPlan(layer, frozen_fraction=frac)
+        return PrefillLayerPlan(layer, n_sink=c.n_sink, frozen_fraction=frac)

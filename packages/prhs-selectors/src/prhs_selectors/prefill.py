@@ -2,15 +2,30 @@
 
 ``f(ℓ) = 1 − base^{power·(ℓ−ℓ_s)/(N−ℓ_s)}`` for ``ℓ ≥ ℓ_s`` (0 below): PSAW's window start
 fraction (base ``φ``, power ``α``) and ETF's frozen fraction (base ``ψ``, power ``γ``).
+
+:func:`prefill_flops` counts what a prefill plan saves: the decoder layers' multiply-adds of one
+prompt, planned and dense.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from prhs_core.checks import check_int
+from prhs_core.protocols import PrefillPlanner
 
-__all__ = ["check_fraction", "check_positive", "depth_fraction", "resolve_start_layer"]
+__all__ = [
+    "DecoderDims",
+    "check_fraction",
+    "check_positive",
+    "depth_fraction",
+    "prefill_flops",
+    "resolve_start_layer",
+]
 
 
 def check_fraction(name: str, value: object) -> None:
@@ -49,3 +64,71 @@ def depth_fraction(
     if layer < start:
         return 0.0
     return 1.0 - base ** (power * (layer - start) / (num_layers - start))
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """What a decoder layer's FLOPs depend on: ``hidden`` size, MLP ``intermediate`` size (a
+    gated MLP: three matrices), query and KV heads and ``head_dim``."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "intermediate", "num_q_heads", "num_kv_heads",
+                     "head_dim"):  # fmt: skip
+            check_int(name, getattr(self, name), minimum=1)
+
+    @classmethod
+    def from_config(cls, config: Any) -> DecoderDims:
+        """From a transformers config (Llama, Qwen2, Gemma3: ``hidden_size``,
+        ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``)."""
+        config = getattr(config, "text_config", config)
+        hq = config.num_attention_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // hq
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            num_q_heads=hq,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or hq,
+            head_dim=d,
+        )
+
+
+def prefill_flops(planner: Any, dims: DecoderDims, prompt_len: int) -> tuple[float, float]:
+    """``(planned, dense)``: FLOPs (2 per multiply-add) of the decoder layers of one prefill of
+    ``prompt_len`` tokens, under ``planner``'s plans (a
+    :class:`~prhs_core.protocols.PrefillPlanner`; anything else prefills densely) and dense.
+
+    Per layer and row: the K/V projections always; the Q and output projections, the gated MLP
+    (three ``hidden × intermediate`` matrices) and the attention (``QKᵀ`` and ``PV`` over the
+    keys the row sees) unless ETF freezes the row (:meth:`~prhs_core.protocols.PrefillLayerPlan.
+    frozen_rows`); PSAW's rows see ``[P(t), t]`` and the sinks. Embeddings, norms, the LM head
+    and softmax are left out (the same in both)."""
+    n = check_int("prompt_len", prompt_len, minimum=0)
+    hq, hkv, d, hid = dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.hidden
+    kv_proj = 2.0 * hid * 2 * hkv * d
+    rest = 2.0 * (hid * hq * d + hq * d * hid + 3 * hid * dims.intermediate)
+    attn = 2.0 * 2 * hq * d  # per key a row sees
+    t = torch.arange(n, dtype=torch.float64)
+    dense_layer = n * (kv_proj + rest) + attn * float((t + 1).sum())
+    planned = 0.0
+    for layer in range(dims.num_layers):
+        if not isinstance(planner, PrefillPlanner):
+            planned += dense_layer
+            continue
+        plan = planner.plan_prefill(layer, dims.num_layers)
+        seen = t + 1
+        if plan.window_fraction > 0.0:
+            lo = plan.window_start(n).double()
+            seen = (t - lo + 1) + torch.clamp(lo, max=float(plan.n_sink))
+        a, e = plan.frozen_rows(n)
+        live = torch.ones(n, dtype=torch.float64)
+        live[a:e] = 0.0
+        planned += n * kv_proj + float((live * (rest + attn * seen)).sum())
+    return planned, dims.num_layers * dense_layer

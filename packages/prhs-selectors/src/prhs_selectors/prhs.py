@@ -64,9 +64,10 @@ class PrHS(CIS):
         frozen = 0.0
         if c.use_etf:
             frozen = depth_fraction(c.psi, c.gamma, layer, num_layers, c.start_layer)
+        # The sinks PSAW keeps visible are the rows ETF keeps live (CIS's n_sink for both).
         return PrefillLayerPlan(
             layer,
             window_fraction=plan.window_fraction,
-            n_sink=plan.n_sink,
+            n_sink=c.n_sink,
             frozen_fraction=frozen,
         )
