@@ -184,6 +184,10 @@ def restore(st: NewStep, snap: tuple[list[torch.Tensor], set[int]]) -> None:
     st.state.pool._pending = set(snap[1])
 
 
+CIS_OPTIONS: dict[str, Any] = {}
+"""Options ``--cis KEY=VALUE`` adds to CIS's (its defaults otherwise)."""
+
+
 def selector_options(name: str, budget: int) -> dict[str, Any]:
     if name in ("dense", "psaw", "etf"):
         return {}
@@ -191,7 +195,22 @@ def selector_options(name: str, budget: int) -> dict[str, Any]:
         return {"budget": budget}
     if name == "cis-certified":
         return {"budget": budget, "delta_max": 0.1}
+    if name == "cis":
+        return {"budget": budget, **CIS_OPTIONS}
     return {"budget": budget}
+
+
+def parse_cis_options(items: list[str]) -> None:
+    """``KEY=VALUE`` items into :data:`CIS_OPTIONS` (ints, floats, else strings)."""
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            CIS_OPTIONS[key] = int(value)
+        except ValueError:
+            try:
+                CIS_OPTIONS[key] = float(value)
+            except ValueError:
+                CIS_OPTIONS[key] = value
 
 
 def registry_names() -> list[str]:
@@ -554,6 +573,7 @@ def profile(out: Any, names: list[str], shape: str, budget: int, rho: float | No
             {
                 "part": "profile",
                 "selector": name,
+                "options": selector_options(name, budget),
                 "shape": shape,
                 "rho": rho,
                 "kernels": sum(e.count for e in events) / w.layers,
@@ -630,7 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,16", help="check: batch sizes")
     p.add_argument("--selectors", default="streaming,cis,quest", help="profile: selectors")
     p.add_argument("--rho", type=float, default=None, help="profile: forced query jumps")
+    p.add_argument("--cis", action="append", default=[], metavar="KEY=VALUE",
+                   help="a CIS option, e.g. block_size=1 (repeatable)")  # fmt: skip
     a = p.parse_args(argv)
+    parse_cis_options(a.cis)
     global DEV
     DEV = a.device
     out = open(a.out, "a") if a.out else None

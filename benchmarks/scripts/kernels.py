@@ -326,6 +326,7 @@ def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
         {
             "part": "check",
             "op": f"{name} step: Triton vs torch path",
+            "options": options,
             "paths": [p0, p1],
             "steps": steps,
             "layers": layers,
@@ -412,6 +413,8 @@ def bench(
     real_rho: float,
     step_shapes: set[tuple[int, int, int]],
 ) -> None:
+    import decode_step as ds  # on sys.path: main() put this folder there
+
     bw = copy_bandwidth()
     emit(out, {"part": "bench", "op": "copy", "TB/s": bw / 1e12})
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -438,7 +441,9 @@ def bench(
                     r = {"error": f"{type(e).__name__}: {e}"[:400]}
                 if "ms" in r:
                     r["vs_best_dense"] = best / r["ms"]
-                emit(out, {"part": "bench", **shape, "op": f"{name} step", "rho": rho, **r})
+                opts = ds.CIS_OPTIONS if name == "cis" else {}
+                emit(out, {"part": "bench", **shape, "op": f"{name} step", "rho": rho,
+                           "options": opts, **r})  # fmt: skip
                 torch.cuda.empty_cache()
 
 
@@ -713,11 +718,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", default="32,8")
     p.add_argument("--real-rho", type=float, default=0.44, help="ρ̂ of a real model run")
     p.add_argument(
+        "--cis",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="bench: a CIS option for the whole-step rows, e.g. block_size=1 (repeatable)",
+    )
+    p.add_argument(
         "--step-shapes",
         default="1x16x8,16x16x8,16x64x8",
         help="BxTkxHkv shapes that also get FlexAttention and the whole-step (graph) rows",
     )
     a = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import decode_step as ds
+
+    ds.parse_cis_options(a.cis)
     if a.part == "table":
         table(a.files)
         return 0
@@ -726,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.part == "check":
         check_topk(out)
         check_selector_paths(out, "cis", {"budget": 256})
+        check_selector_paths(out, "cis", {"budget": 256, "block_size": 1})
         check_selector_paths(out, "quest", {"budget": 256, "dense_layers": 0})
         check(out)
     elif a.part == "tune":
