@@ -110,7 +110,14 @@ def test_text_long_enough_is_accepted(tmp_path: Path, captured: list[Any], cpu_o
     path.write_text("word " * 2000, encoding="utf-8")
     argv = ["run", "dense", "--tasks", "perplexity", "--text", str(path), "--context-len", "512"]
     assert main([*argv, "--samples", "2", *_out(tmp_path)]) == 0
-    assert captured[0][0].text == path
+    assert captured[0][0].text == str(path)
+
+
+@pytest.mark.parametrize("name", ["kjv", "essays"])
+def test_text_by_name(name: str, tmp_path: Path, captured: list[Any], cpu_only: None) -> None:
+    argv = ["run", "dense", "--tasks", "perplexity", "--text", name, "--samples", "8"]
+    assert main([*argv, *_out(tmp_path)]) == 0
+    assert captured[0][0].text == name  # the evaluation passes it on as the task's source
 
 
 @pytest.mark.parametrize(

@@ -421,6 +421,19 @@ def test_kjv_windows_are_exact_and_disjoint(smol, length):
     assert {s.meta["char_start"] for s in other} != {s.meta["char_start"] for s in samples}
 
 
+@pytest.mark.slow
+@needs_smol
+@needs_essays
+def test_essays_windows_by_name(smol):
+    text = data.essays_text()
+    samples = tasks.perplexity_text(smol, context_len=1000, num_samples=3, seed=0, source="essays")
+    for s in samples:
+        assert len(smol.encode(s.prompt, add_special_tokens=False)) == 1000
+        assert s.meta["source"] == "essays"
+        assert s.prompt == text[s.meta["char_start"] : s.meta["char_end"]]  # type: ignore[misc]
+    _assert_disjoint(samples)
+
+
 def _write_text(tmp_path, words: int = 6000):
     lines = [" ".join(f"w{i}x{j}" for j in range(12)) for i in range(words // 12)]
     path = tmp_path / "corpus.txt"
@@ -546,7 +559,7 @@ def test_perplexity_bad_arguments(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(ValueError, match="not UTF-8"):
         tasks.perplexity_text(BOOM, source=binary, **kw)
-    with pytest.raises(ValueError, match="source must be 'kjv' or a path"):
+    with pytest.raises(ValueError, match=r"source must be one of \['essays', 'kjv'\] or a path"):
         tasks.perplexity_text(BOOM, source=42, **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_samples must be >= 1"):
         tasks.perplexity_text(BOOM, context_len=100, num_samples=0, seed=0)

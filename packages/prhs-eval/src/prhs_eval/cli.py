@@ -166,10 +166,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--text",
-        type=Path,
         default=None,
-        metavar="PATH",
-        help="perplexity: a UTF-8 text file to score instead of the KJV Bible",
+        metavar="NAME|PATH",
+        help="perplexity: the text to score, kjv (the default), essays (Paul Graham's), or a "
+        "UTF-8 text file of your own",
     )
     p.add_argument(
         "--set",
@@ -401,9 +401,19 @@ def _check_files(args: argparse.Namespace) -> None:
     from prhs_eval.tasks import HAYSTACKS, check_haystack
 
     if args.text is not None:
+        from prhs_eval.tasks.perplexity import PERPLEXITY_TEXTS
+
         if "perplexity" not in args.tasks:
             raise UsageError("--text is for the perplexity task; add it to --tasks")
-        text = check_text_file(args.text, "--text")
+        if args.text in PERPLEXITY_TEXTS:
+            text = PERPLEXITY_TEXTS[args.text]()  # its data package must be installed
+        elif not Path(args.text).exists():
+            raise UsageError(
+                f"--text {args.text!r} does not exist, and is not a text name either "
+                f"({', '.join(PERPLEXITY_TEXTS)})"
+            )
+        else:
+            text = check_text_file(args.text, "--text")
         check_text_long_enough(
             text, args.text, context_len=args.context_len, num_samples=args.samples
         )

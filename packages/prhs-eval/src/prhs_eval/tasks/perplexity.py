@@ -12,7 +12,10 @@ import numpy as np
 from prhs_eval import data
 from prhs_eval.tasks.base import Sample, TokenizerLike, check_common, count_tokens, task_rng
 
-__all__ = ["perplexity_text"]
+__all__ = ["PERPLEXITY_TEXTS", "perplexity_text"]
+
+#: The texts ``perplexity_text`` knows by name (each loaded from its data package).
+PERPLEXITY_TEXTS = {"kjv": data.kjv_text, "essays": data.essays_text}
 
 
 def _fit_prefix(
@@ -78,7 +81,8 @@ def perplexity_text(
     """Contiguous text windows of exactly ``context_len`` tokens, for perplexity.
 
     The text is the King James Bible (``source="kjv"``: column ``Passage1`` in rowid order, one
-    passage per line) or a UTF-8 text file. The text is cut into equal regions of about
+    passage per line), Paul Graham's essays (``"essays"``: the 49 files in name order, a blank
+    line between them) or a UTF-8 text file. The text is cut into equal regions of about
     1.5 windows each; ``num_samples`` distinct regions are drawn from the seed, and each
     window starts at the first line start of its region and ends on a whole token, inside the
     region, so windows never overlap. (If a window would overrun its region the regions are
@@ -96,7 +100,7 @@ def perplexity_text(
     seed
         Non-negative seed; the same seed gives identical windows.
     source
-        ``"kjv"`` (default) or the path of a UTF-8 text file.
+        ``"kjv"`` (default), ``"essays"`` or the path of a UTF-8 text file.
 
     Returns
     -------
@@ -114,12 +118,15 @@ def perplexity_text(
         (its token counts do not grow one by one with the text).
     """
     check_common(context_len, num_samples, seed, None)
-    if isinstance(source, str) and source == "kjv":
-        text, source_name = data.kjv_text(), "kjv"
+    if isinstance(source, str) and source in PERPLEXITY_TEXTS:
+        text, source_name = PERPLEXITY_TEXTS[source](), source
     elif isinstance(source, str | os.PathLike):
         text, source_name = data.read_text_file(source), os.fspath(source)
     else:
-        raise ValueError(f"source must be 'kjv' or a path to a text file, got {source!r}")
+        raise ValueError(
+            f"source must be one of {sorted(PERPLEXITY_TEXTS)} or a path to a text file, got "
+            f"{source!r}"
+        )
 
     cpt = _chars_per_token(tokenizer, text)
     approx_tokens = len(text) / cpt
