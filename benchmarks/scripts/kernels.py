@@ -258,7 +258,9 @@ def check_topk(out: Any) -> None:
     from prhs_kernels.cis import top_blocks
 
     gen = torch.Generator(device=DEV).manual_seed(4)
-    for rows, n, k in ((128, 8192, 128), (512, 2048, 128), (8, 16384, 1024), (64, 300, 300)):
+    cases = ((128, 8192, 128), (512, 2048, 128), (8, 16384, 1024), (64, 300, 300),
+             (128, 65536, 1024))  # fmt: skip
+    for rows, n, k in cases:
         x = torch.rand(rows, n, generator=gen, device=DEV)
         x[x < 0.2] = float("-inf")
         active = torch.rand(rows, generator=gen, device=DEV) < 0.5

@@ -178,6 +178,7 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r):
         (300, 20, 64),  # 5 chunks of 64
         (300, 50, 64),  # 3 chunks of 128, the last (44) shorter than k
         (256, 256, 64),  # a chunk (2k = 512) would hold the whole row: one pass
+        (2000, 100, 64),  # 8 chunks of 256 win 800 > 512: chunks of 512 (4 × 100 winners)
     ],
 )
 def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass):
@@ -185,8 +186,9 @@ def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pa
         monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", one_pass)
         monkeypatch.setattr(cis_triton, "TOPK_CHUNK", one_pass)
         monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 512)
-        _, chunks = cis_triton._topk_plan(n, k)
+        chunk, chunks = cis_triton._topk_plan(n, k)
         assert (chunks > 1) == (k < 256)
+        assert chunks * k <= 512 and chunk * chunks >= n
     gen = torch.Generator().manual_seed(n + k)
     x = torch.rand(6, n, generator=gen)
     x[x < 0.3] = float("-inf")

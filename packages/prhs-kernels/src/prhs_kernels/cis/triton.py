@@ -406,7 +406,8 @@ def _topk_kernel(
 TOPK_MAX_N = 16384
 """Most scores one top-k program holds in registers: a row, or the candidates of a row's
 chunks. Rows longer than ``TOPK_ONE_PASS`` take two passes (the top ``k`` of each chunk of
-``TOPK_CHUNK``, then of their winners) when their winners fit; others use ``torch.topk``."""
+``TOPK_CHUNK`` or more, then of their winners) when their winners fit; others use
+``torch.topk``."""
 
 TOPK_ONE_PASS = 8192
 """Longest row ranked in one pass: the bisection's cost per key grows with the row held in
@@ -422,10 +423,14 @@ def _topk_plan(n: int, k: int) -> tuple[int, int] | None:
     Triton kernel does not apply (``torch.topk`` then)."""
     if n <= TOPK_ONE_PASS:
         return n, 1
+    # The smallest chunks whose winners fit one second-pass program: long rows with many
+    # winners (per-token CIS at 64k: 1024 of 65 536) take chunks of up to TOPK_MAX_N.
     chunk = max(TOPK_CHUNK, 2 * triton.next_power_of_2(k))
-    chunks = -(-n // chunk)
-    if chunk <= TOPK_MAX_N and chunks * k <= TOPK_MAX_N:
-        return chunk, chunks
+    while chunk < n and chunk <= TOPK_MAX_N:
+        chunks = -(-n // chunk)
+        if chunks * k <= TOPK_MAX_N:
+            return chunk, chunks
+        chunk *= 2
     if n <= TOPK_MAX_N:
         return n, 1
     return None
