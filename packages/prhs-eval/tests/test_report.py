@@ -488,3 +488,14 @@ def test_plot_of_a_sweep_draws_curves_against_the_option_and_the_beta_rho_tradeo
     assert list(tradeoff.get_ydata()) == pytest.approx([0.04, 0.02, 0.008])
     # dense is the dashed reference of the quality panel; the oracle has no tau: no curve
     assert [ln.get_label() for ln in axes[0].get_lines()] == ["cis", "dense"]
+
+
+def test_plot_of_a_switch_sweep_draws_one_bar_per_setting() -> None:
+    results = [
+        _run("dense", "ppl_kjv", 0, perplexity=9.0, beta_emp=0.0),
+        _run("prhs", "ppl_kjv", 512, perplexity=9.2, options={"use_etf": False}),
+        _run("prhs", "ppl_kjv", 512, perplexity=9.5, options={"use_etf": True}),
+    ]
+    fig = report.figure(results)
+    assert _legend_labels(fig) == ["dense", "prhs use_etf=False", "prhs use_etf=True"]
+    assert [round(p.get_height(), 6) for p in fig.axes[0].patches] == [9.0, 9.2, 9.5]

@@ -207,6 +207,17 @@ def _set_cell(varied: Mapping[str, tuple[str, ...]]) -> Callable[[RunResult], st
     return cell
 
 
+def _set_label(varied: Mapping[str, tuple[str, ...]]) -> Callable[[RunResult], str]:
+    """A run's name in a plot: its selector, and the values a sweep varied (``prhs
+    use_etf=True``)."""
+    cell = _set_cell(varied)
+
+    def label(r: RunResult) -> str:
+        return f"{r.selector} {cell(r)}" if r.selector in varied else r.selector
+
+    return label
+
+
 def _option_text(value: Any) -> str:
     return format(value, "g") if isinstance(value, float) else str(value)
 
@@ -568,7 +579,12 @@ def figure(results: Sequence[RunResult]) -> Any:
         )
         fig, handles = _curves(items, groups, tasks, curves, colors, markers, axis)
     else:
-        fig, handles = _bars(items, groups, tasks, names, colors, budgets)
+        # A sweep of a non-numeric option (e.g. a switch) has no axis: one bar per setting.
+        label = _set_label(varied_options(items))
+        bars = list(dict.fromkeys(label(r) for r in items))
+        shown = [n for n in bars if n != DENSE]
+        colors = {n: ("black" if n == DENSE else f"C{shown.index(n) % 10}") for n in bars}
+        fig, handles = _bars(items, groups, tasks, bars, colors, budgets, label)
     FigureCanvasAgg(fig)
     fig.suptitle(_title(items))
     if handles:
@@ -615,6 +631,7 @@ def _bars(
     names: Sequence[str],
     colors: Mapping[str, str],
     budgets: Sequence[int],
+    label: Callable[[RunResult], str],
 ) -> tuple[Any, list[Any]]:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -634,7 +651,7 @@ def _bars(
         for j, name in enumerate(names):
             xs, ys = [], []
             for k, task in enumerate(shown):
-                runs = [r for r in groups[task] if r.selector == name]
+                runs = [r for r in groups[task] if label(r) == name]
                 y = _y(runs[0], attr) if runs else math.nan
                 xs.append(k + (j - (len(names) - 1) / 2) * width)
                 ys.append(y if _finite(y) else 0.0)
