@@ -228,7 +228,8 @@ def test_etf_freezes_the_planned_prefix(make_tiny, n_sink):
             assert not torch.equal(out[b, s + e :], hidden_in[b, s + e :])
             for row in range(s, s + a):  # the sink rows are updated like any live row
                 assert not torch.equal(out[b, row], hidden_in[b, row])
-    assert runtime.selector.plan_prefill(3, 4).frozen_rows(24) == (n_sink, 8)  # ⌊(1 − 0.5^(2/3))·24⌋
+    end = 8  # ⌊(1 − 0.5^(2/3))·24⌋
+    assert runtime.selector.plan_prefill(3, 4).frozen_rows(24) == (n_sink, end)
 
 
 def test_bad_input_is_rejected_before_the_model_changes(make_tiny):

@@ -15,7 +15,7 @@ from prhs_selectors import CIS, ETF, PSAW, CISConfig, ETFConfig, PrHS, PrHSConfi
 
 @pytest.mark.parametrize("n", [8, 32])
 def test_prefill_plans_follow_both_formulas_with_the_default_start(n):
-    sel = PrHS(PrHSConfig(phi=0.4, alpha=1.5, psi=0.6, gamma=0.8))
+    sel = PrHS(PrHSConfig(phi=0.4, alpha=1.5, psi=0.6, gamma=0.8, use_etf=True))
     assert isinstance(sel, PrefillPlanner) and isinstance(sel, CIS)
     ls = n // 2
     for layer in range(n):
@@ -31,8 +31,14 @@ def test_prefill_plans_follow_both_formulas_with_the_default_start(n):
         assert plan.n_sink == 4  # PSAW's visible sinks are the rows ETF keeps live
 
 
+def test_default_cpe_is_cis_and_psaw_without_etf():
+    assert PrHSConfig().use_psaw and not PrHSConfig().use_etf
+    plan = PrHS(PrHSConfig(start_layer=2)).plan_prefill(5, 8)
+    assert plan.frozen_fraction == 0.0 and plan.window_fraction > 0.0
+
+
 def test_cpe_combines_psaw_and_etf():
-    sel = PrHS(PrHSConfig(start_layer=2))
+    sel = PrHS(PrHSConfig(start_layer=2, use_etf=True))
     plan = sel.plan_prefill(5, 8)
     psaw = PSAW(PSAWConfig(start_layer=2)).plan_prefill(5, 8)
     etf = ETF(ETFConfig(start_layer=2)).plan_prefill(5, 8)
@@ -42,7 +48,7 @@ def test_cpe_combines_psaw_and_etf():
     assert plan.frozen_rows(40) == etf.frozen_rows(40) == (4, plan.frozen_prefix(40))
     assert plan.n_sink == 4
     assert PrHS(PrHSConfig(start_layer=2, n_sink=7)).plan_prefill(5, 8).n_sink == 7
-    no_psaw = PrHS(PrHSConfig(start_layer=2, use_psaw=False)).plan_prefill(5, 8)
+    no_psaw = PrHS(PrHSConfig(start_layer=2, use_psaw=False, use_etf=True)).plan_prefill(5, 8)
     assert no_psaw.window_fraction == 0.0 and no_psaw.frozen_fraction == etf.frozen_fraction
     assert no_psaw.frozen_rows(40) == etf.frozen_rows(40)  # sinks live without PSAW too
     no_etf = PrHS(PrHSConfig(start_layer=2, use_etf=False)).plan_prefill(5, 8)

@@ -18,7 +18,8 @@ __all__ = ["PrHS", "PrHSConfig"]
 class PrHSConfig(CISConfig):
     """CIS's hyperparameters plus PSAW's (``phi``, ``alpha``) and ETF's (``psi``, ``gamma``),
     sharing one ``start_layer`` (``N/2`` when ``None``) and CIS's ``n_sink``. ``use_psaw`` /
-    ``use_etf`` switch the prefill parts off for ablations."""
+    ``use_etf`` switch the prefill parts on or off: ETF is off by default (it raised perplexity
+    by more than it saved in prefill FLOPs on every model measured; see the ETF docs page)."""
 
     phi: float = 0.5
     alpha: float = 1.0
@@ -26,7 +27,7 @@ class PrHSConfig(CISConfig):
     gamma: float = 1.0
     start_layer: int | None = None
     use_psaw: bool = True
-    use_etf: bool = True
+    use_etf: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,10 +41,11 @@ class PrHSConfig(CISConfig):
             raise TypeError("use_psaw and use_etf must be bools")
 
 
-@selectors.register("prhs", config=PrHSConfig, summary="PrHS CPE: CIS + PSAW + ETF")
+@selectors.register("prhs", config=PrHSConfig, summary="PrHS CPE: CIS + PSAW (+ ETF: use_etf)")
 class PrHS(CIS):
-    """PrHS's CPE = CIS + PSAW + ETF (Gao et al., arXiv:2602.08329): CIS selects at decode;
-    PSAW's window and ETF's frozen prefix restrict prefill in layers past ``start_layer``."""
+    """PrHS's CPE = CIS + PSAW + ETF (Gao et al., arXiv:2602.08329), ETF off by default: CIS
+    selects at decode; PSAW's window (and, with ``use_etf``, ETF's frozen prefix) restrict
+    prefill in layers past ``start_layer``."""
 
     name = "prhs"
     config_type = PrHSConfig
