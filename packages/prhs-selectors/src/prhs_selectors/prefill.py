@@ -117,11 +117,10 @@ def prefill_flops(planner: Any, dims: DecoderDims, prompt_len: int) -> tuple[flo
     attn = 2.0 * 2 * hq * d  # per key a row sees
     t = torch.arange(n, dtype=torch.float64)
     dense_layer = n * (kv_proj + rest) + attn * float((t + 1).sum())
+    if not isinstance(planner, PrefillPlanner):
+        return dims.num_layers * dense_layer, dims.num_layers * dense_layer
     planned = 0.0
     for layer in range(dims.num_layers):
-        if not isinstance(planner, PrefillPlanner):
-            planned += dense_layer
-            continue
         plan = planner.plan_prefill(layer, dims.num_layers)
         seen = t + 1
         if plan.window_fraction > 0.0:
