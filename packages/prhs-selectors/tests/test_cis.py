@@ -56,12 +56,15 @@ def test_dilation_adds_exactly_p_plus_minus_j(seed, m, r):
 # ---------------------------------------------------------------------------------------------
 # paper mode: the reuse rule and what a reuse reads
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("block_size", "block_score"), [(1, "max"), (4, "max"), (4, "mass")])
+@pytest.mark.parametrize(
+    ("block_size", "block_score", "hold"),
+    [(1, "max", True), (4, "max", False), (4, "mass", True), (1, "mass", False)],
+)
 def test_paper_mode_reuses_exactly_when_the_rule_says(
-    make_sim, tools, layout, block_size, block_score
+    make_sim, tools, layout, block_size, block_score, hold
 ):
     cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1,
-                    block_score=block_score)  # fmt: skip
+                    block_score=block_score, hold_local=hold)  # fmt: skip
     sel = CIS(cfg)
     steps = 14
     sim = make_sim(
@@ -108,6 +111,10 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(
                 if expected_reuse[i, j]:
                     seen["reuse"] += 1
                     want = (set(anchor) | _dilate(anchor[:m], cfg.r, nb) | win) & set(range(nb))
+                    if hold:  # the local window from where the anchor's started
+                        ta = int(anchor_t[i, j])
+                        want |= {p // s for p in range(max(0, ta - cfg.n_local), tt)}
+                        assert ta < tt  # the held window is wider than the current one
                     assert got == want
                 else:
                     seen["stale" if has[i, j] and not fresh[i, j] else "retrieve"] += 1

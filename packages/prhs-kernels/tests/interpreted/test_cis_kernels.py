@@ -10,6 +10,7 @@ from prhs_kernels import paths
 from prhs_kernels.cis import (
     cis_compose,
     cis_decide,
+    cis_local_width,
     cis_path,
     retrieval_block_scores,
     top_blocks,
@@ -119,7 +120,7 @@ def test_block_scores_tiles_of_1024_positions(monkeypatch, make_kv):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r):
+def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r, hold=False):
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d, n = 5, 2, 2, 16, 7
     aq, alen, aidx, acnt, alogd = _anchors(n, h, g, d, m_blocks, gen)
@@ -132,28 +133,29 @@ def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r):
     retrieve = torch.rand(b, h, generator=gen) < 0.5
     bad = (torch.rand(b, h, generator=gen) < 0.2) & ~retrieve
     query = torch.randn(b, h * g, d, generator=gen).bfloat16()
-    ws, wl = window_widths(n_sink, n_local, s)
-    width = ws + m_blocks + 2 * r * m + wl
+    ws, _ = window_widths(n_sink, n_local, s)
+    width = ws + m_blocks + 2 * r * m + cis_local_width(n_local, s, hold)
     state = (aq, alen, aidx, acnt, alogd)
     return query, retrieve, bad, new_idx, new_scores, state, slots, lens, width
 
 
+@pytest.mark.parametrize("hold", [False, True])
 @pytest.mark.parametrize(
     ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
     [(8, 4, 32, 12, 4, 1), (1, 2, 6, 10, 3, 2), (4, 0, 0, 5, 5, 1), (16, 40, 3, 6, 2, 0)],
 )
-def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r):
+def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold):
     results = []
     for path in (PATH, "torch"):
         query, retrieve, bad, new_idx, new_scores, state, slots, lens, width = _compose_case(
-            s + m, s, n_sink, n_local, m_blocks, m, r
+            s + m, s, n_sink, n_local, m_blocks, m, r, hold
         )
         out_idx = torch.full((5, 2, width), 12345, dtype=torch.int32)
         out_cnt = torch.full((5, 2), 12345, dtype=torch.int32)
         cis_compose(
             query, retrieve, bad, new_idx, new_scores, *state, slots, lens,
             n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r,
-            out_indices=out_idx, out_counts=out_cnt, path=path,
+            out_indices=out_idx, out_counts=out_cnt, hold_local=hold, path=path,
         )  # fmt: skip
         results.append((out_idx, out_cnt, state, slots))
     (gi, gc, gs, slots), (wi, wc, ws_, _) = results

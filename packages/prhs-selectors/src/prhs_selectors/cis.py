@@ -4,7 +4,9 @@ Consecutive decoding queries of a head are similar, and so are their critical in
 per (sequence, layer, KV head), an *anchor*: the query that last scored every key, its critical
 set ``S_a`` and when it was made. A new query close enough to the anchor reuses ``S_a`` (dilated
 around its strongest entries) instead of scoring the cache again; otherwise it retrieves and
-becomes the new anchor.
+becomes the new anchor. ``S_a`` was chosen outside the anchor's local window, so a reuse reads the
+local window from where the anchor's started (``hold_local``; in the paper's reading the window
+slides, and the positions leaving it are read by nobody until the next retrieval).
 
 Two reuse rules:
 
@@ -41,7 +43,9 @@ from prhs_kernels.cis import (
     check_block_score,
     cis_compose,
     cis_decide,
+    cis_local_width,
     cis_path,
+    held_local_indices,
     retrieval_block_scores,
     top_blocks,
 )
@@ -85,6 +89,10 @@ class CISConfig(SelectorConfig):
     tau:
         Cosine threshold ``τ`` between the group's concatenated queries and the anchor's (0.72;
         the paper's 0.8 retrieves at about half the steps on the models measured).
+    hold_local:
+        A reuse also reads the positions that left the local window since its anchor was made
+        (the window starts where the anchor's did): the anchor's list was chosen outside its
+        window, so without this they would be read by nobody. ``False`` is the paper's reading.
     n_den:
         Dilation density: the top ``m = ⌊k/n_den⌋`` positions (blocks) of ``S_a`` are dilated.
     r:
@@ -106,6 +114,7 @@ class CISConfig(SelectorConfig):
     block_size: int = 1
     block_score: str = "mass"
     tau: float = 0.72
+    hold_local: bool = True
     n_den: int = 3
     r: int = 1
     delta_max: float | None = None
@@ -120,6 +129,8 @@ class CISConfig(SelectorConfig):
         if not -1.0 <= self.tau <= 1.0:
             raise ValueError(f"tau is a cosine threshold and must lie in [-1, 1], got {self.tau}")
         check_block_score(self.block_score)
+        if not isinstance(self.hold_local, bool):
+            raise TypeError(f"hold_local must be a bool, got {type(self.hold_local).__name__}")
         check_int("n_den", self.n_den, minimum=1)
         check_int("r", self.r, minimum=0)
         if not isinstance(self.require_cosine, bool):
@@ -202,7 +213,9 @@ class CIS(BaseSelector):
     anchor score (so the top ``m`` are its first ``m`` entries), ``log δ_a`` and ``K_max``.
 
     The selection's static width is ``ws + M + 2·r·m + wl`` entries: the sink and local
-    windows, the anchor list (``M = k/s`` blocks, or the certified cap) and its dilation.
+    windows, the anchor list (``M = k/s`` blocks, or the certified cap) and its dilation. With
+    ``hold_local`` (the default), ``wl`` spans ``2·n_local`` positions: a reuse reads the local
+    window from where its anchor's started.
     """
 
     name = "cis"
@@ -225,8 +238,10 @@ class CIS(BaseSelector):
         return self.budget_blocks() // self.config.n_den
 
     def selection_width(self) -> int:
-        ws, wl = self.window_widths()
-        return ws + self.anchor_width() + 2 * self.config.r * self.dilation_m() + wl
+        c = self.config
+        ws, _ = self.window_widths()
+        wl = cis_local_width(c.n_local, c.block_size, c.hold_local)
+        return ws + self.anchor_width() + 2 * c.r * self.dilation_m() + wl
 
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
@@ -320,6 +335,7 @@ class CIS(BaseSelector):
             r=c.r,
             out_indices=sel.indices,
             out_counts=sel.counts,
+            hold_local=c.hold_local,
             path=path,
         )
         if plan.stats is not None:
@@ -387,7 +403,12 @@ class CIS(BaseSelector):
         new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
         part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
         part = part.masked_fill(bad.unsqueeze(-1), -1)  # a skipped row reads its windows only
-        sel = self.compose(plan, kv, part)
+        if c.hold_local:
+            _, local = self.windows(kv)
+            held = held_local_indices(local, kv.seq_lens, ta, reuse, c.n_local, s)
+            sel = self.compose(plan, kv, part, held)
+        else:
+            sel = self.compose(plan, kv, part)
 
         # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests on:
         # float64 logits.

@@ -8,7 +8,8 @@
 - :func:`top_blocks` -- the ``M`` best blocks by score, largest first;
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
-  that retrieve updated.
+  that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
+  anchor's did (:func:`cis_local_width` gives the wider static width).
 
 :func:`cis_path` names the path: ``"triton"`` on CUDA for fp16/bf16 caches and power-of-two
 block sizes (three launches plus the retrieval's two and a top-k), ``"triton-interpreter"`` on
@@ -25,6 +26,7 @@ from prhs_kernels.cis.reference import (
     block_eligible_reference,
     cis_compose_reference,
     cis_decide_reference,
+    held_local_indices,
     retrieval_block_scores_reference,
 )
 from prhs_kernels.compose.reference import window_widths
@@ -40,7 +42,9 @@ __all__ = [
     "cis_compose_reference",
     "cis_decide",
     "cis_decide_reference",
+    "cis_local_width",
     "cis_path",
+    "held_local_indices",
     "retrieval_block_scores",
     "retrieval_block_scores_reference",
     "top_blocks",
@@ -53,6 +57,14 @@ def cis_path(device: torch.device | str, dtype: torch.dtype, block_size: int) ->
     if path != "torch" and block_size & (block_size - 1):
         return "torch"  # the block-score kernel tiles blocks by powers of two
     return path
+
+
+def cis_local_width(n_local: int, block_size: int, hold_local: bool) -> int:
+    """Static width, in blocks, of a CIS selection's local window: ``ceil(n_local/s) + 1``, or
+    with ``hold_local`` that of a window twice as long (a reuse is at most ``n_local`` positions
+    younger than its anchor, so from the anchor's window start to the end of the sequence spans
+    at most ``2·n_local`` positions); 0 for ``n_local = 0``."""
+    return window_widths(0, 2 * n_local if hold_local else n_local, block_size)[1]
 
 
 def _check_anchors(
@@ -204,12 +216,13 @@ def cis_compose(
     r: int,
     out_indices: torch.Tensor,
     out_counts: torch.Tensor,
+    hold_local: bool = False,
     path: str = "torch",
 ) -> None:
     """Write the selection into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` and make
     the retrieving rows anchors (see :func:`.reference.cis_compose_reference`). ``W`` must be
     ``ws + M + 2·r·m + wl``: the widths of the sink window, the anchor list, its dilation and
-    the local window."""
+    the local window (``wl`` from :func:`cis_local_width`)."""
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     mm = anchor_idx.shape[-1]
@@ -219,7 +232,8 @@ def cis_compose(
         raise ValueError("new_idx and new_scores must both be [B, Hkv, M']")
     if new_idx.shape[-1] > mm:
         raise ValueError(f"new_idx holds {new_idx.shape[-1]} entries; the anchor list {mm}")
-    ws, wl = window_widths(n_sink, n_local, block_size)
+    ws, _ = window_widths(n_sink, n_local, block_size)
+    wl = cis_local_width(n_local, block_size, hold_local)
     width = ws + mm + 2 * r * m + wl
     check_shape("out_indices", out_indices, (b, h, width), "[B, Hkv, ws + M + 2rm + wl]")
     check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
@@ -229,6 +243,7 @@ def cis_compose(
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
     args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
     kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r)
+    kw["hold_local"] = hold_local
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import cis_compose_triton
 

@@ -14,13 +14,14 @@ import torch
 from prhs_core.layout import KVLayout
 from prhs_kernels.blocks.reference import block_reduce_reference
 from prhs_kernels.compose import dilate_indices, union_indices
-from prhs_kernels.compose.reference import window_indices_reference
+from prhs_kernels.compose.reference import window_indices_reference, window_widths
 from prhs_kernels.score.reference import nonfinite_rows
 
 __all__ = [
     "block_eligible_reference",
     "cis_compose_reference",
     "cis_decide_reference",
+    "held_local_indices",
     "retrieval_block_scores_reference",
     "window_block_mask_reference",
 ]
@@ -99,6 +100,28 @@ def retrieval_block_scores_reference(
     return scores.masked_fill(~ok, float("-inf"))
 
 
+def held_local_indices(
+    local: torch.Tensor,
+    seq_lens: torch.Tensor,
+    anchor_len: torch.Tensor,
+    reuse: torch.Tensor,
+    n_local: int,
+    s: int,
+) -> torch.Tensor:
+    """``[B, Hkv, wl']`` local block ids (``wl'`` of :func:`prhs_kernels.cis.cis_local_width`
+    with ``hold_local``): from the anchor's window start (``anchor_len [B, Hkv]``, ``t_a``) on
+    the ``reuse`` rows, the plain window (``local [B, wl]``) elsewhere; ``-1`` past the end."""
+    if n_local == 0:
+        return local
+    wl2 = window_widths(0, 2 * n_local, s)[1]
+    lens = seq_lens.long().view(-1, 1)
+    start = torch.clamp(torch.minimum(anchor_len.long(), lens) - n_local, min=0)
+    start = torch.where(reuse, start, torch.clamp(lens - n_local, min=0))
+    ids = (start // s).unsqueeze(-1) + torch.arange(wl2, device=local.device)
+    ok = (ids < ((lens + s - 1) // s).unsqueeze(-1)) & (lens > 0).unsqueeze(-1)
+    return torch.where(ok, ids, -1).to(torch.int32)
+
+
 def cis_compose_reference(
     query: torch.Tensor,
     retrieve: torch.Tensor,
@@ -120,6 +143,7 @@ def cis_compose_reference(
     r: int,
     out_indices: torch.Tensor,
     out_counts: torch.Tensor,
+    hold_local: bool = False,
 ) -> None:
     """Write each row's selection and update the anchors of the rows that retrieve.
 
@@ -129,6 +153,11 @@ def cis_compose_reference(
     ``sink ∪ S_a ∪ dilate(S_a) ∪ local`` (the first ``m`` entries of the anchor's list dilated
     by ``±1 .. ±r``); a ``bad`` row its windows only. The union is written ascending and
     distinct into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]``.
+
+    With ``hold_local``, a reusing row's local window starts where its anchor's did,
+    ``max(min(t_a, t) − n_local, 0)``, and runs to the end (``wl`` blocks at most, the width of
+    :func:`prhs_kernels.cis.cis_local_width`): the anchor's list was chosen outside the anchor's
+    window, so the positions that slide out of the window during the anchor's life stay read.
     """
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -146,6 +175,8 @@ def cis_compose_reference(
     s = block_size
     sink, local = window_indices_reference(seq_lens, n_sink, n_local, s)
     n_blocks = (seq_lens + s - 1) // s
+    if hold_local:
+        local = held_local_indices(local, seq_lens, anchor_len[slots], ~retrieve & ~bad, n_local, s)
     union_indices([sink, part, local], n_blocks, out_indices, out_counts)
     q = query.reshape(b, h, hq // h, d).float()
     rr = retrieve

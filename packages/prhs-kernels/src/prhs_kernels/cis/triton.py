@@ -240,6 +240,7 @@ def _compose_kernel(
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BS: tl.constexpr,
+    HOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -257,9 +258,14 @@ def _compose_kernel(
     # sink: blocks 0 .. ceil(min(seq, n_sink) / s) - 1
     sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
     cand = tl.where((w < WS) & (w < sink_end), w, cand)
-    # local: first = max(seq - n_local, 0) // s, WL blocks from there
+    # local: first = max(seq - n_local, 0) // s, WL blocks from there; with HOLD, a reusing
+    # row's window starts where its anchor's did
     lo_w = WS + M + 2 * R * DIL_M
     first = tl.maximum(seq - n_local, 0) // BS
+    if HOLD:
+        ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
+        held = tl.maximum(tl.minimum(ta, seq) - n_local, 0) // BS
+        first = tl.where(retrieve | bad, first, held)
     li = w - lo_w
     cand = tl.where((li >= 0) & (li < WL) & (seq > 0), first + li, cand)
     # the list: the new top blocks (retrieval) or the anchor's (reuse)
@@ -601,6 +607,7 @@ def cis_compose_triton(
     out_indices: torch.Tensor,
     out_counts: torch.Tensor,
     windows: tuple[int, int],
+    hold_local: bool = False,
 ) -> None:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -630,5 +637,5 @@ def cis_compose_triton(
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
         BLOCK_W=block_w,
-        BS=block_size, num_warps=4,
+        BS=block_size, HOLD=hold_local, num_warps=4,
     )  # fmt: skip
