@@ -201,9 +201,12 @@ def selector_options(name: str, budget: int) -> dict[str, Any]:
 
 
 def parse_cis_options(items: list[str]) -> None:
-    """``KEY=VALUE`` items into :data:`CIS_OPTIONS` (ints, floats, else strings)."""
+    """``KEY=VALUE`` items into :data:`CIS_OPTIONS` (booleans, ints, floats, else strings)."""
     for item in items:
         key, _, value = item.partition("=")
+        if value.lower() in ("true", "false"):
+            CIS_OPTIONS[key] = value.lower() == "true"
+            continue
         try:
             CIS_OPTIONS[key] = int(value)
         except ValueError:
