@@ -97,10 +97,19 @@ def capture(args: argparse.Namespace) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _traces(path: Path, limit: int | None):
-    files = sorted(path.glob("w*.pt"), key=lambda p: int(p.stem[1:]))
+def _traces(path: Path, limit: int | None, first: int = 0):
+    files = sorted(path.glob("w*.pt"), key=lambda p: int(p.stem[1:]))[first:]
     for f in files[:limit]:
         yield torch.load(f)
+
+
+def _option(key: str, value: str) -> object:
+    """A ``--set`` value; ``@FILE`` reads JSON (an object's entry ``key``, as
+    ``prhs-eval --set`` does)."""
+    if not value.startswith("@"):
+        return parse_option_value(value)
+    data = json.loads(Path(value[1:]).read_text())
+    return data[key] if isinstance(data, dict) else data
 
 
 def replay_one(trace: dict, name: str, options: dict, spec, per_layer: dict | None) -> object:
@@ -152,18 +161,19 @@ def replay(args: argparse.Namespace) -> None:
     options = {}
     for item in args.set or []:
         key, _, value = item.partition("=")
-        options[key] = parse_option_value(value)
+        options[key] = _option(key, value)
     per_layer: dict | None = {} if args.per_layer else None
     from prhs_eval.metrics import MeterSums
 
     parts = []
     t0 = time.perf_counter()
-    for trace in _traces(path, args.windows):
+    for trace in _traces(path, args.windows, args.first):
         parts.append(replay_one(trace, args.selector, options, spec, per_layer))
     m = MeterSums.combine(parts).metrics()
+    shown = {k: ("table" if isinstance(v, list) else v) for k, v in options.items()}
     row = {
-        "selector": args.selector, **options, "beta": m.beta_emp, "beta_retrieval":
-        m.beta_retrieval, "beta_reuse": m.beta_reuse, "rho": m.retrieval_ratio,
+        "selector": args.selector, **shown, "first": args.first, "beta": m.beta_emp,
+        "beta_retrieval": m.beta_retrieval, "beta_reuse": m.beta_reuse, "rho": m.retrieval_ratio,
         "avg_kv": m.avg_kv, "bytes": m.bytes_per_step / m.dense_bytes_per_step,
         "overlap": m.oracle_overlap,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -217,6 +227,7 @@ def main() -> None:
     r.add_argument("--selector", default="cis")
     r.add_argument("--set", action="append")
     r.add_argument("--windows", type=int)
+    r.add_argument("--first", type=int, default=0, help="skip the first windows")
     r.add_argument("--per-layer", action="store_true")
     r.add_argument("--log")
     s = sub.add_parser("cosines")

@@ -42,6 +42,14 @@ Usage (traces from ``cis_replay.py capture``)::
 ``per-head`` sweeps one global τ, then chooses a τ per (layer, KV head) on the first half of the
 windows (minimising ``β + λ·ρ̂`` row by row for a range of λ) and reports it on the other half:
 the β–ρ̂ curve a calibrated per-head threshold would reach, out of sample.
+
+``calibrate`` writes such a table for the ``cis`` selector's ``tau`` option, with λ bisected to
+meet a target mean ρ̂ (``--target-rho``, %) on the given windows::
+
+    python benchmarks/scripts/cis_rules.py calibrate /tmp/trace-qwen --windows 2 \\
+        --target-rho 30 --out tau.json
+    python benchmarks/scripts/cis_replay.py replay /tmp/trace-qwen --first 2 --windows 2 \\
+        --set budget=512 --set tau=@tau.json          # measured on other windows
 """
 
 from __future__ import annotations
@@ -254,6 +262,58 @@ def per_head(args: argparse.Namespace) -> None:
         print(f"per-head tau, lambda {lam}: calibration {cal} | held out {held}", flush=True)
 
 
+def _row_curves(traces: list[dict], h: int, taus: list[float], spec: dict) -> tuple:
+    """Per (τ, window, row): β and ρ̂ of the cosine rule at each τ of ``taus``."""
+    beta, rho = [], []
+    for tau in taus:
+        res = [run(tr, h, {**spec, "rule": "cos", "thr": tau}) for tr in traces]
+        beta.append(torch.stack([x["beta"].mean(0) for x in res]))
+        rho.append(torch.stack([x["retrieved"].mean(0) for x in res]))
+        print(f"  tau {tau}: rho {100 * rho[-1].mean():.1f} % beta {beta[-1].mean():.4f}",
+              flush=True)  # fmt: skip
+    return torch.stack(beta), torch.stack(rho)  # [K, W, R]
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    """A τ per (layer, KV head) for ``cis``'s ``tau`` option: per row, the τ of the grid that
+    minimises ``β + λ·ρ̂`` over the windows, with λ bisected until the mean ρ̂ meets the
+    target. Writes ``{"tau": [[...] per layer], ...provenance}``."""
+    path = Path(args.trace)
+    meta = json.loads((path / "meta.json").read_text())
+    h = meta["spec"]["num_kv_heads"]
+    traces = load(path, args.windows)
+    taus = [float(x) for x in args.taus.split(",")]
+    spec = {"budget": args.budget, "hold_local": not args.sliding}
+    beta, rho = _row_curves(traces, h, taus, spec)
+    b, r = beta.mean(1), rho.mean(1)  # [K, R]
+    rows = torch.arange(b.shape[-1])
+    lo, hi = 0.0, 10.0
+    for _ in range(60):  # larger λ: fewer retrievals
+        lam = (lo + hi) / 2
+        pick = (b + lam * r).argmin(0)
+        if r[pick, rows].mean() > args.target_rho / 100:
+            lo = lam
+        else:
+            hi = lam
+    pick = (b + hi * r).argmin(0)
+    table = torch.tensor(taus)[pick].view(-1, h)
+    out = {
+        "tau": [[round(float(x), 4) for x in row] for row in table],
+        "model": meta["model"],
+        "text": meta.get("text"),
+        "windows": len(traces),
+        "budget": args.budget,
+        "hold_local": not args.sliding,
+        "target_rho": args.target_rho,
+        "calibration_rho": round(100 * float(r[pick, rows].mean()), 2),
+        "calibration_beta": round(float(b[pick, rows].mean()), 5),
+        "grid": taus,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}: rho {out['calibration_rho']} % beta {out['calibration_beta']} "
+          f"on the calibration windows")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -268,9 +328,17 @@ def main() -> None:
     b.add_argument("--taus", default="0.5,0.6,0.65,0.7,0.75,0.8,0.85,0.9,0.95,1.01")
     b.add_argument("--budget", type=int, default=512)
     b.add_argument("--hold-local", action="store_true")
+    c = sub.add_parser("calibrate", help="write a per-(layer, KV head) tau table for cis")
+    c.add_argument("trace")
+    c.add_argument("--windows", type=int, default=2)
+    c.add_argument("--target-rho", type=float, default=28.0, help="mean rho-hat, %%")
+    c.add_argument("--taus", default="0.5,0.6,0.65,0.7,0.75,0.8,0.85,0.9,0.95,1.01")
+    c.add_argument("--budget", type=int, default=512)
+    c.add_argument("--sliding", action="store_true", help="calibrate for hold_local=False")
+    c.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    {"rules": rules, "per-head": per_head}[args.cmd](args)
+    {"rules": rules, "per-head": per_head, "calibrate": calibrate}[args.cmd](args)
 
 
 if __name__ == "__main__":

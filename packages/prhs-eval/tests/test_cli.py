@@ -66,6 +66,8 @@ BAD_ARGS = {
     "unknown-task": (["compare", "--tasks", "passkey,gsm9k"], "unknown task"),
     "unknown-model": (["run", "dense", "--model", "no-such-model"], "unknown model"),
     "set-syntax": (["run", "cis", "--set", "budget"], "KEY=VALUE"),
+    "set-file-missing": (["run", "cis", "--set", "tau=@/no/such.json"], "cannot read"),
+    "set-file-not-json": (["run", "cis", "--set", f"tau=@{__file__}"], "is not JSON"),
     "budgets": (["compare", "--budgets", "32,-1"], "positive integer"),
     "context": (["run", "cis", "--context-len", "0"], "positive integer"),
     "text-missing": (
@@ -93,6 +95,24 @@ def test_bad_arguments_fail_before_the_model_loads(name, monkeypatch, capsys):
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_set_reads_a_value_from_a_json_file(tmp_path):
+    """``KEY=@FILE``: a bare JSON value, or the entry named KEY of a JSON object (a calibration
+    file with its provenance); an object without it is an error."""
+    from prhs_eval.cli import UsageError, _parse_options
+
+    table = [[0.7, 0.9], [0.8, 0.8]]
+    bare = tmp_path / "bare.json"
+    bare.write_text("[[0.7, 0.9], [0.8, 0.8]]")
+    wrapped = tmp_path / "calib.json"
+    wrapped.write_text('{"model": "m", "tau": [[0.7, 0.9], [0.8, 0.8]]}')
+    assert _parse_options([f"tau=@{bare}"], ["cis", "dense"])["cis"] == {"tau": table}
+    assert _parse_options([f"cis.tau=@{wrapped}"], ["cis"])["cis"] == {"tau": table}
+    other = tmp_path / "other.json"
+    other.write_text('{"budget": 3}')
+    with pytest.raises(UsageError, match="without 'tau'"):
+        _parse_options([f"cis.tau=@{other}"], ["cis"])
 
 
 @pytest.mark.slow

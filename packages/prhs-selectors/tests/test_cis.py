@@ -286,3 +286,42 @@ def test_cis_config_errors():
         CISConfig(n_den=0)
     with pytest.raises(ValueError, match=r"block score must be one of \('max', 'mass'\)"):
         CISConfig(block_score="sum")
+    with pytest.raises(ValueError, match="non-empty"):
+        CISConfig(tau=[])
+    with pytest.raises(ValueError, match=r"tau\[1\]\[0\]"):
+        CISConfig(tau=[[0.7], [1.2]])
+    with pytest.raises(TypeError, match=r"tau\[0\]\[1\]"):
+        CISConfig(tau=[[0.7, "x"]])
+
+
+# ---------------------------------------------------------------------------------------------
+# a threshold per (layer, KV head)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("certified", [False, True])
+def test_tau_table_sets_each_rows_threshold(make_sim, certified):
+    """Rows whose threshold is -1 reuse whenever their anchor lives; rows at 1.01 always
+    retrieve; a row of one value applies it to every KV head."""
+    extra = {"delta_max": 0.99, "require_cosine": True} if certified else {}
+    table = [[-1.0, 1.01], [1.01], [-1.0]]
+    sel = CIS(CISConfig(budget=8, n_local=16, tau=table, **extra))
+    assert sel.config.tau == ((-1.0, 1.01), (1.01,), (-1.0,))
+    sim = make_sim([60, 45], num_q_heads=4, num_kv_heads=2, head_dim=8, num_layers=3,
+                   max_new_tokens=6, seed=4)  # fmt: skip
+    sim.attach(sel)
+    for step in range(6):
+        got = [sim.select(layer).stats.retrieved.clone() for layer in range(3)]
+        assert got[1].all()  # 1.01: always
+        if certified:  # the certificate may also refuse a reuse; the cosine rule never forces one
+            assert got[0][:, 1].all()
+        else:
+            assert got[0][:, 1].all() and (got[0][:, 0] == (step == 0)).all()
+            assert (got[2] == (step == 0)).all()
+        sim.advance()
+
+
+def test_tau_table_must_fit_the_model(make_sim):
+    sim = make_sim([20], num_q_heads=4, num_kv_heads=2, head_dim=8, num_layers=2)
+    with pytest.raises(ValueError, match="needs 2 rows"):
+        sim.attach(CIS(CISConfig(budget=8, tau=[[0.7, 0.7]])))
+    with pytest.raises(ValueError, match="1 or 2"):
+        sim.attach(CIS(CISConfig(budget=8, tau=[[0.7, 0.7, 0.7], [0.7]])))

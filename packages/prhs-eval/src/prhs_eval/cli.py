@@ -178,7 +178,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="[SEL.]KEY=VALUE",
         help="selector option, e.g. budget=128 (every selector that has it) or "
-        "cis.tau=0.9 (one selector); repeatable",
+        "cis.tau=0.9 (one selector); KEY=@FILE reads the value from a JSON file (e.g. a "
+        "per-head tau table); repeatable",
     )
     p.add_argument(
         "--out",
@@ -284,6 +285,27 @@ def _options_of(name: str) -> str:
     return f"its options: {', '.join(fields)}" if fields else f"{name} has no options"
 
 
+def _load_option_file(item: str, key: str, path: str) -> Any:
+    """``KEY=@FILE``: the value is the JSON in ``FILE``; a JSON object holding ``KEY`` (the
+    option's name, without its selector) gives that entry, so a calibration file can carry
+    its provenance beside the value."""
+    import json
+
+    field = key.split(".", 1)[-1]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise UsageError(f"--set {item!r}: cannot read {path!r} ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--set {item!r}: {path!r} is not JSON ({exc})") from None
+    if isinstance(data, dict):
+        if field not in data:
+            raise UsageError(f"--set {item!r}: {path!r} holds an object without {field!r}")
+        data = data[field]
+    return data
+
+
 def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--set`` items per selector. A global ``KEY=VALUE`` goes to every selector that has
     ``KEY`` (an error when none has it); ``SEL.KEY=VALUE`` to ``SEL``, which must have it."""
@@ -294,7 +316,11 @@ def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE or SELECTOR.KEY=VALUE, got {item!r}")
         key, raw = item.split("=", 1)
-        value = parse_option_value(raw)
+        value = (
+            _load_option_file(item, key, raw[1:])
+            if raw.startswith("@")
+            else (parse_option_value(raw))
+        )
         if "." in key:
             sel, field = key.split(".", 1)
             if sel not in per:

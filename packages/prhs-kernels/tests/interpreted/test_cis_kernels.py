@@ -83,6 +83,34 @@ def test_decide_matches_the_reference(g, d):
     assert torch.equal(got, cis_decide(*args, tau=0.8, n_local=16, path="torch")[0])
 
 
+def test_decide_per_head_thresholds():
+    """``tau [Hkv]``: each KV head compares with its own threshold; Triton equals torch, and
+    thresholds of -1 / 1.01 force reuse / retrieval wherever the anchor is alive."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, d, n = 5, 3, 2, 16, 6
+    aq, alen, *_ = _anchors(n, h, g, d, 4, gen)
+    slots = torch.tensor([0, 1, 2, 3, 4])
+    alen[:] = 40
+    lens = torch.full((b,), 50, dtype=torch.int32)
+    q = aq[slots] + 0.6 * torch.randn(b, h, g, d, generator=gen)  # cosines spread around 0.8
+    query = q.reshape(b, h * g, d).bfloat16()
+    args = (query, aq, alen, slots, lens)
+    for tau in ([-1.0, 1.01, 0.8], [0.5, 0.8, 0.95]):
+        t = torch.tensor(tau)
+        got, _ = cis_decide(*args, tau=t, n_local=16, path=PATH)
+        want, _ = cis_decide(*args, tau=t, n_local=16, path="torch")
+        assert torch.equal(got, want)
+        for j, x in enumerate(tau):  # each column equals the scalar rule at its threshold
+            col, _ = cis_decide(*args, tau=x, n_local=16, path="torch")
+            assert torch.equal(got[:, j], col[:, j])
+    got, _ = cis_decide(*args, tau=torch.tensor([-1.0, 1.01, 0.8]), n_local=16, path=PATH)
+    assert not got[:, 0].any() and got[:, 1].all()
+    with pytest.raises(ValueError, match=r"\[Hkv\]"):
+        cis_decide(*args, tau=torch.tensor([0.8, 0.8]), n_local=16, path="torch")
+    with pytest.raises(ValueError, match="float32"):
+        cis_decide(*args, tau=torch.tensor([0.8, 0.8, 0.8]).double(), n_local=16, path="torch")
+
+
 @pytest.mark.parametrize(
     ("s", "n_sink", "n_local", "score"),
     [(1, 4, 8, "max"), (8, 4, 32, "max"), (4, 0, 0, "max"), (16, 20, 5, "max"), (8, 4, 32, "mass")],

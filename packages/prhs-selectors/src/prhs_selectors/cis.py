@@ -68,6 +68,30 @@ _ANCHOR_FIELDS = (
 )
 
 
+def _check_tau(tau: object) -> float | tuple[tuple[float, ...], ...]:
+    """``tau`` as a float, or as a table of floats (rows: layers; columns: one, or one per KV
+    head), every value a cosine threshold in [-1, 1.01] (above 1: that row always retrieves)."""
+
+    def one(x: object, where: str) -> float:
+        if isinstance(x, bool) or not isinstance(x, int | float):
+            raise TypeError(f"tau{where} must be a float, got {type(x).__name__}")
+        if not -1.0 <= x <= 1.01 or (where == "" and x > 1.0):
+            bound = "[-1, 1]" if where == "" else "[-1, 1.01]"
+            raise ValueError(f"tau{where} is a cosine threshold and must lie in {bound}, got {x}")
+        return float(x)
+
+    if not isinstance(tau, list | tuple):
+        return one(tau, "")
+    if not tau or not all(isinstance(row, list | tuple) and row for row in tau):
+        raise ValueError(
+            "a tau table must be a non-empty list of non-empty rows, one per layer "
+            "(each one threshold, or one per KV head)"
+        )
+    return tuple(
+        tuple(one(x, f"[{i}][{j}]") for j, x in enumerate(row)) for i, row in enumerate(tau)
+    )
+
+
 @dataclass(frozen=True)
 class CISConfig(SelectorConfig):
     """Hyperparameters of CIS (the paper's, except ``block_size``, ``block_score`` and ``tau``,
@@ -88,7 +112,9 @@ class CISConfig(SelectorConfig):
         counts), or ``"max"``, its largest one (the paper's reading).
     tau:
         Cosine threshold ``τ`` between the group's concatenated queries and the anchor's (0.72;
-        the paper's 0.8 retrieves at about half the steps on the models measured).
+        the paper's 0.8 retrieves at about half the steps on the models measured); or a table
+        with one row per layer, each row one threshold for every KV head or one per KV head
+        (what ``benchmarks/scripts/cis_replay.py calibrate`` writes for a model).
     hold_local:
         A reuse also reads the positions that left the local window since its anchor was made
         (the window starts where the anchor's did): the anchor's list was chosen outside its
@@ -113,7 +139,7 @@ class CISConfig(SelectorConfig):
     n_local: int = 32
     block_size: int = 1
     block_score: str = "mass"
-    tau: float = 0.72
+    tau: float | tuple[tuple[float, ...], ...] = 0.72
     hold_local: bool = True
     n_den: int = 3
     r: int = 1
@@ -124,10 +150,7 @@ class CISConfig(SelectorConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
-            raise TypeError(f"tau must be a float, got {type(self.tau).__name__}")
-        if not -1.0 <= self.tau <= 1.0:
-            raise ValueError(f"tau is a cosine threshold and must lie in [-1, 1], got {self.tau}")
+        object.__setattr__(self, "tau", _check_tau(self.tau))
         check_block_score(self.block_score)
         if not isinstance(self.hold_local, bool):
             raise TypeError(f"hold_local must be a bool, got {type(self.hold_local).__name__}")
@@ -245,6 +268,7 @@ class CIS(BaseSelector):
 
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
+        self._check_tau_table(n_l, h)
         m = self.anchor_width()
         pool = state.pool
         pool.add_field("anchor_q", (n_l, h, g, d), torch.float32)
@@ -253,6 +277,34 @@ class CIS(BaseSelector):
         pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
         pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
+
+    def _check_tau_table(self, num_layers: int, num_kv_heads: int) -> None:
+        tau = self.config.tau
+        if isinstance(tau, float):
+            return
+        widths = {len(row) for row in tau}
+        if len(tau) != num_layers or not widths <= {1, num_kv_heads}:
+            raise ValueError(
+                f"tau table of {len(tau)} row(s) of width {sorted(widths)} does not fit this "
+                f"model: it needs {num_layers} rows (one per layer), each of 1 or "
+                f"{num_kv_heads} (KV heads) thresholds"
+            )
+        self.__dict__["_tau_heads"] = num_kv_heads
+        self.__dict__["_tau_rows"] = {}
+
+    def layer_tau(self, layer: int, device: torch.device | str) -> float | torch.Tensor:
+        """``τ`` of ``layer``: the float, or the table's row as ``[Hkv]`` float32 on ``device``
+        (made once per device)."""
+        tau = self.config.tau
+        if isinstance(tau, float):
+            return tau
+        cache: dict[str, torch.Tensor] = self.__dict__.setdefault("_tau_rows", {})
+        key = str(torch.device(device))
+        if key not in cache:
+            width = self.__dict__["_tau_heads"]
+            rows = [list(row) * width if len(row) == 1 else list(row) for row in tau]
+            cache[key] = torch.tensor(rows, dtype=torch.float32, device=device)
+        return cache[key][layer]
 
     # -- the step ---------------------------------------------------------------------------
     def select_layer(
@@ -301,7 +353,7 @@ class CIS(BaseSelector):
             anchor["anchor_len"],
             slots,
             kv.seq_lens,
-            tau=c.tau,
+            tau=self.layer_tau(layer, query.device),
             n_local=c.n_local,
             nonfinite=state.nonfinite,
             path=path,
@@ -376,7 +428,8 @@ class CIS(BaseSelector):
         reuse = (ta > 0) & (lens - ta <= c.n_local) & (lens >= ta)
         if c.require_cosine:
             cos = torch.nn.functional.cosine_similarity(q.flatten(-2), qa.flatten(-2), dim=-1)
-            reuse &= cos >= c.tau
+            tau = self.layer_tau(layer, query.device)
+            reuse &= cos >= (tau.view(1, -1) if isinstance(tau, torch.Tensor) else tau)
         # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
         offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
         new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]

@@ -84,7 +84,7 @@ def cis_decide(
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    tau: float,
+    tau: float | torch.Tensor,
     n_local: int,
     nonfinite: torch.Tensor | None = None,
     path: str = "torch",
@@ -95,11 +95,21 @@ def cis_decide(
 
     ``anchor_q [N, Hkv, g, D]`` float32 and ``anchor_len [N, Hkv]`` int32 are one layer's
     anchor fields (rows by state slot, strided views allowed); ``slots [B]`` picks each batch
-    row's."""
+    row's. ``tau`` is one cosine threshold, or one per KV head (``[Hkv]`` float32 on the
+    query's device)."""
     b, hq, d = query.shape
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     check_shape("anchor_q", anchor_q, (anchor_len.shape[0], h, hq // h, d), "[N, Hkv, g, D]")
     check_int("n_local", n_local, minimum=0)
+    if isinstance(tau, torch.Tensor):
+        check_shape("tau", tau, (h,), "[Hkv]")
+        if tau.dtype != torch.float32 or tau.device != query.device:
+            raise ValueError(
+                f"a per-head tau must be float32 on the query's device ({query.device}), got "
+                f"{tau.dtype} on {tau.device}"
+            )
+    elif isinstance(tau, bool) or not isinstance(tau, int | float):
+        raise TypeError(f"tau must be a float or a [Hkv] tensor, got {type(tau).__name__}")
     if nonfinite is not None and (
         not isinstance(nonfinite, torch.Tensor)
         or nonfinite.dtype != torch.int64

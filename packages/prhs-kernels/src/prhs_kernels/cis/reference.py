@@ -33,7 +33,7 @@ def cis_decide_reference(
     anchor_len: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    tau: float,
+    tau: float | torch.Tensor,
     n_local: int,
     nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +42,8 @@ def cis_decide_reference(
     neither reuses nor retrieves. Otherwise a row reuses its anchor (row ``slots[b]`` of
     ``anchor_q [N, Hkv, g, D]`` / ``anchor_len [N, Hkv]``) iff the anchor exists, is at most
     ``n_local`` positions old, and the cosine of the group's concatenated queries with the
-    anchor's is at least ``tau``, and retrieves if not."""
+    anchor's is at least ``tau`` (a float, or ``[Hkv]``: one threshold per KV head), and
+    retrieves if not."""
     b, hq, d = query.shape
     h = anchor_len.shape[1]
     bad = nonfinite_rows(query, h)
@@ -53,7 +54,8 @@ def cis_decide_reference(
     ta = anchor_len[slots]
     lens = seq_lens.view(-1, 1)
     reuse = (ta > 0) & (lens - ta <= n_local) & (lens >= ta)
-    reuse &= torch.nn.functional.cosine_similarity(q, qa, dim=-1) >= tau
+    thr = tau.view(1, -1) if isinstance(tau, torch.Tensor) else tau
+    reuse &= torch.nn.functional.cosine_similarity(q, qa, dim=-1) >= thr
     return ~reuse & ~bad, bad
 
 

@@ -63,6 +63,7 @@ def _decide_kernel(
     BAD,
     RETRIEVE,
     NONFINITE,
+    TAU,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -78,6 +79,7 @@ def _decide_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     COUNT: tl.constexpr,
+    PER_HEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -102,7 +104,10 @@ def _decide_kernel(
     cos = tl.sum(tl.sum((q / nq) * (qa / na), 1), 0)
     ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
     seq = tl.load(LENS + b)
-    reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= tau)
+    thr = tau
+    if PER_HEAD:
+        thr = tl.load(TAU + h)
+    reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= thr)
     tl.store(RETRIEVE + pid, ((~reuse) & (~bad)).to(tl.int8))
 
 
@@ -524,7 +529,7 @@ def cis_decide_triton(
     anchor_len: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    tau: float,
+    tau: float | torch.Tensor,
     n_local: int,
     nonfinite: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,16 +538,18 @@ def cis_decide_triton(
     g = hq // h
     retrieve = torch.empty(b, h, dtype=torch.bool, device=query.device)
     bad = torch.empty(b, h, dtype=torch.bool, device=query.device)
+    per_head = isinstance(tau, torch.Tensor)
     decide, *_ = _kernels(interpreting())
     decide[(b * h,)](
         query, anchor_q, anchor_len, slots, seq_lens, bad.view(torch.int8),
         retrieve.view(torch.int8), nonfinite if nonfinite is not None else seq_lens,
+        tau.contiguous() if per_head else seq_lens,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_len.stride(0), anchor_len.stride(1),
-        float(tau), n_local,
+        0.0 if per_head else float(tau), n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
-        num_warps=4,
+        PER_HEAD=per_head, num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
