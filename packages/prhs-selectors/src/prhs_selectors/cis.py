@@ -269,6 +269,9 @@ class CIS(BaseSelector):
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
         self._check_tau_table(n_l, h)
+        self.layer_tau(
+            0, state.device
+        )  # a table goes to the device now, not inside a captured step
         m = self.anchor_width()
         pool = state.pool
         pool.add_field("anchor_q", (n_l, h, g, d), torch.float32)
