@@ -201,9 +201,15 @@ def selector_options(name: str, budget: int) -> dict[str, Any]:
 
 
 def parse_cis_options(items: list[str]) -> None:
-    """``KEY=VALUE`` items into :data:`CIS_OPTIONS` (booleans, ints, floats, else strings)."""
+    """``KEY=VALUE`` items into :data:`CIS_OPTIONS` (booleans, ints, floats, else strings;
+    ``KEY=@FILE`` reads JSON, an object's entry ``KEY``, e.g. a ``tau`` table)."""
     for item in items:
         key, _, value = item.partition("=")
+        if value.startswith("@"):
+            with open(value[1:], encoding="utf-8") as fh:
+                data = json.load(fh)
+            CIS_OPTIONS[key] = data[key] if isinstance(data, dict) else data
+            continue
         if value.lower() in ("true", "false"):
             CIS_OPTIONS[key] = value.lower() == "true"
             continue
