@@ -316,11 +316,10 @@ def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict
         if "=" not in item:
             raise UsageError(f"--set expects KEY=VALUE or SELECTOR.KEY=VALUE, got {item!r}")
         key, raw = item.split("=", 1)
-        value = (
-            _load_option_file(item, key, raw[1:])
-            if raw.startswith("@")
-            else (parse_option_value(raw))
-        )
+        if raw.startswith("@"):
+            value = _load_option_file(item, key, raw[1:])
+        else:
+            value = parse_option_value(raw)
         if "." in key:
             sel, field = key.split(".", 1)
             if sel not in per:

@@ -114,7 +114,7 @@ class CISConfig(SelectorConfig):
         Cosine threshold ``τ`` between the group's concatenated queries and the anchor's (0.72;
         the paper's 0.8 retrieves at about half the steps on the models measured); or a table
         with one row per layer, each row one threshold for every KV head or one per KV head
-        (what ``benchmarks/scripts/cis_replay.py calibrate`` writes for a model).
+        (what ``benchmarks/scripts/cis_rules.py calibrate`` writes for a model).
     hold_local:
         A reuse also reads the positions that left the local window since its anchor was made
         (the window starts where the anchor's did): the anchor's list was chosen outside its
@@ -268,10 +268,10 @@ class CIS(BaseSelector):
 
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
-        self._check_tau_table(n_l, h)
-        self.layer_tau(
-            0, state.device
-        )  # a table goes to the device now, not inside a captured step
+        # A table goes to the device now, never inside a captured step.
+        self._tau_list = self._tau_rows(n_l, h)
+        self._tau_tables: dict[str, torch.Tensor] = {}
+        self.layer_tau(0, state.device)
         m = self.anchor_width()
         pool = state.pool
         pool.add_field("anchor_q", (n_l, h, g, d), torch.float32)
@@ -281,10 +281,12 @@ class CIS(BaseSelector):
         pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
 
-    def _check_tau_table(self, num_layers: int, num_kv_heads: int) -> None:
+    def _tau_rows(self, num_layers: int, num_kv_heads: int) -> list[list[float]] | None:
+        """The ``tau`` table as ``num_layers`` rows of ``num_kv_heads`` thresholds (``None`` for
+        one ``tau``); a table that does not fit the model is an error."""
         tau = self.config.tau
         if isinstance(tau, float):
-            return
+            return None
         widths = {len(row) for row in tau}
         if len(tau) != num_layers or not widths <= {1, num_kv_heads}:
             raise ValueError(
@@ -292,22 +294,18 @@ class CIS(BaseSelector):
                 f"model: it needs {num_layers} rows (one per layer), each of 1 or "
                 f"{num_kv_heads} (KV heads) thresholds"
             )
-        self.__dict__["_tau_heads"] = num_kv_heads
-        self.__dict__["_tau_rows"] = {}
+        return [list(row) * num_kv_heads if len(row) == 1 else list(row) for row in tau]
 
     def layer_tau(self, layer: int, device: torch.device | str) -> float | torch.Tensor:
         """``τ`` of ``layer``: the float, or the table's row as ``[Hkv]`` float32 on ``device``
-        (made once per device)."""
+        (copied there once, at :meth:`init_state` for the state's device)."""
         tau = self.config.tau
         if isinstance(tau, float):
             return tau
-        cache: dict[str, torch.Tensor] = self.__dict__.setdefault("_tau_rows", {})
         key = str(torch.device(device))
-        if key not in cache:
-            width = self.__dict__["_tau_heads"]
-            rows = [list(row) * width if len(row) == 1 else list(row) for row in tau]
-            cache[key] = torch.tensor(rows, dtype=torch.float32, device=device)
-        return cache[key][layer]
+        if key not in self._tau_tables:
+            self._tau_tables[key] = torch.tensor(self._tau_list, dtype=torch.float32, device=device)
+        return self._tau_tables[key][layer]
 
     # -- the step ---------------------------------------------------------------------------
     def select_layer(

@@ -252,8 +252,9 @@ def cis_compose(
     announce("cis_compose", path, query.device)
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
     args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
-    kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r)
-    kw["hold_local"] = hold_local
+    kw = dict(
+        n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r, hold_local=hold_local
+    )
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import cis_compose_triton
 
