@@ -46,12 +46,18 @@ __all__ = [
 ]
 
 
-TUNING = {"block_scores_programs_per_sm": 8, "block_scores_items_per_row": 64}
-"""Launch parameters of the block-score pass: persistent programs per multiprocessor, and the
+TUNING = {
+    "block_scores_programs_per_sm": 8,
+    "block_scores_items_per_row": 64,
+    "compose_warps_wide": 16,
+}
+"""Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
 at B16 with 10 % of rows retrieving: 256 positions were best at T 16k (5.1 µs against 6.1 at
 1024), 1024 at T 64k (10.8 µs against 15.3 at 256: fewer re-reads of the span statistics).
-Module-level so that a benchmark can sweep them."""
+And the warps of a compose program that sorts 2048 candidates or more (per-token CIS at budget
+1024, B16 × 8 KV heads: 30.5 µs at 4 warps, 22.8 at 8, 18.2 at 16, 18.0 at 32). Module-level
+so that a benchmark can sweep them."""
 
 
 def _decide_kernel(
@@ -353,16 +359,19 @@ def _topk_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_IDX: tl.constexpr,
+    SORT: tl.constexpr,
 ):
-    """Top ``k`` of one chunk of ``chunk`` scores of a row of ``n``, largest first (ties: lower
-    index first; NaN as ``-inf``), for an active row; an inactive row gets ``-1`` / ``-inf``.
-    Program ``(row, c)`` writes entries ``(row * n_chunks + c) * k ...``; a chunk shorter than
-    ``k`` fills its last entries with ``-1`` / ``-inf``. ``HAS_IDX``: the scores are candidates
-    whose ids are in ``IDX_IN`` (a second pass over the first's chunk winners).
+    """Top ``k`` of one chunk of ``chunk`` scores of a row of ``n`` (NaN as ``-inf``; ties:
+    lower index first), for an active row; an inactive row gets ``-1`` / ``-inf``. Program
+    ``(row, c)`` writes entries ``(row * n_chunks + c) * k ...``; a chunk shorter than ``k``
+    fills its last entries with ``-1`` / ``-inf``. ``HAS_IDX``: the scores are candidates
+    whose ids are in ``IDX_IN`` (a second pass over the first's chunk winners, which come in
+    position order, so lower lanes are lower ids).
 
     The chunk sits in registers; its ``k``-th largest key is found by bisection over the 32-bit
-    order-preserving integer image of the floats, then the ``k`` entries are compacted and
-    sorted."""
+    order-preserving integer image of the floats, then the ``k`` entries are compacted, and
+    sorted, largest first, if ``SORT`` (else they stay in position order: a first pass's
+    winners need no order, and sorting them cost more than the search)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     lo_pos = c * chunk
@@ -383,13 +392,14 @@ def _topk_kernel(
         key = tl.where(ok, key, -2147483648)
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):  # the largest tau with #{key >= tau} >= k_here
+        for _ in range(32):  # the largest t with #{key >= t} >= k_here
             mid = lo + (hi - lo + 1) // 2
             enough = tl.sum((key >= mid).to(tl.int32), 0) >= k_here
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid - 1)
-        greater = ok & (key > lo)
-        tie = ok & (key == lo)
+        thr = lo.to(tl.int32)
+        greater = ok & (key > thr)
+        tie = ok & (key == thr)
         need = k_here - tl.sum(greater.to(tl.int32), 0)
         take = greater | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
         pos = tl.cumsum(take.to(tl.int32), 0) - 1
@@ -399,7 +409,8 @@ def _topk_kernel(
         tl.debug_barrier()
         got = offs_k < k_here
         cc = tl.load(scratch + offs_k, mask=got, other=-9223372036854775807 - 1)
-        cc = tl.sort(cc, descending=True)
+        if SORT:  # largest first; else the compacted order, which is by position
+            cc = tl.sort(cc, descending=True)
         at = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)  # position within the chunk
         val = tl.load(SCORES + src + at, mask=got, other=float("-inf"))
         val = tl.where(val != val, float("-inf"), val)
@@ -425,8 +436,10 @@ TOPK_ONE_PASS = 8192
 registers. On an H200 (13 rows, 128 winners): 8192 blocks take 26 µs in one pass and 29 in
 two; 8196 blocks (a register row of 16384) take 50 µs in one pass and 34 in two."""
 
-TOPK_CHUNK = 2048
-"""Scores per first-pass program of a long row."""
+TOPK_CHUNK = 8192
+"""Scores per first-pass program of a long row (an H200, 13 of 128 rows of 65 536 for 1024
+winners: 54 µs in chunks of 8192, 68 in chunks of 4096; rows of 16 384: 43–45 µs in chunks
+of 2048 or 8192 or in one pass)."""
 
 
 def _topk_plan(n: int, k: int) -> tuple[int, int] | None:
@@ -481,24 +494,27 @@ def top_blocks_triton(
         width: int,
         parts: int,
         has_ids: bool,
+        sort: bool,
     ) -> None:
         """One launch: the top ``k`` of each of ``parts`` chunks of ``width`` of ``length``."""
         block = _pow2(width, 16)
         *_, topk = _kernels(interpreting())
         topk[(rows, parts)](
             values, ids, flags, out_idx, out_val, scratch, length, k, width, parts,
-            BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, num_warps=_topk_warps(block),
+            BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=sort,
+            num_warps=_topk_warps(block),
         )  # fmt: skip
 
     if chunks == 1:
-        rank(scores, scores, idx, val, n, n, 1, False)
+        rank(scores, scores, idx, val, n, n, 1, False, True)
         return idx, val
-    # First pass: each chunk's top k (chunk order, then score order: ties stay by lower id);
-    # second: the top k of the winners, reporting their ids in the row.
+    # First pass: each chunk's top k, by position (so the candidates of a row are in position
+    # order, and ties stay toward the lower id); second: the top k of the winners, reporting
+    # their ids in the row.
     cand_idx = torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)
     cand_val = torch.empty(rows, chunks * k, dtype=torch.float32, device=dev)
-    rank(scores, scores, cand_idx, cand_val, n, chunk, chunks, False)
-    rank(cand_val, cand_idx, idx, val, chunks * k, chunks * k, 1, True)
+    rank(scores, scores, cand_idx, cand_val, n, chunk, chunks, False, False)
+    rank(cand_val, cand_idx, idx, val, chunks * k, chunks * k, 1, True, True)
     return idx, val
 
 
@@ -517,6 +533,11 @@ def _topk_warps(block: int) -> int:
     """Warps of a top-k program: at most 32 keys per thread (an H200, 13 rows of 16384 keys in
     registers: 50 µs at 16 warps, 72 at 8; 8192 keys: 26 µs at 8, 29 at 16)."""
     return 16 if block >= 16384 else 8 if block >= 4096 else 4
+
+
+def _compose_warps(block_w: int) -> int:
+    """Warps of a compose program, which sorts ``block_w`` candidates."""
+    return TUNING["compose_warps_wide"] if block_w >= 2048 else 4
 
 
 def _pow2(n: int, least: int) -> int:
@@ -643,6 +664,5 @@ def cis_compose_triton(
         n_sink, n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
-        BLOCK_W=block_w,
-        BS=block_size, HOLD=hold_local, num_warps=4,
+        BLOCK_W=block_w, BS=block_size, HOLD=hold_local, num_warps=_compose_warps(block_w),
     )  # fmt: skip
