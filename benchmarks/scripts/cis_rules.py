@@ -50,6 +50,13 @@ meet a target mean ρ̂ (``--target-rho``, %) on the given windows::
         --target-rho 30 --out tau.json
     python benchmarks/scripts/cis_replay.py replay /tmp/trace-qwen --first 2 --windows 2 \\
         --set budget=512 --set tau=@tau.json          # measured on other windows
+
+``self`` calibrates a table per window from the first half of its decode steps and measures it
+on the second half, beside one τ and a ``calibrate`` table (what a calibration from the
+prompt's own queries would give)::
+
+    python benchmarks/scripts/cis_rules.py self /tmp/trace-qwen --first 2 --windows 2 \\
+        --table tau.json
 """
 
 from __future__ import annotations
@@ -314,6 +321,66 @@ def calibrate(args: argparse.Namespace) -> None:
           f"on the calibration windows")  # fmt: skip
 
 
+def self_calibration(args: argparse.Namespace) -> None:
+    """Calibrate from the text just read: per window, a τ per row chosen on the first half of
+    its decode steps (λ bisected to the target ρ̂ there), measured on the second half; beside
+    one τ for every row and, with ``--table``, a table calibrated on other windows, measured on
+    the same second halves. What a calibration from the prompt's own queries (at prefill) would
+    give, before it is built."""
+    path = Path(args.trace)
+    h = _kv_heads(path)
+    traces = load(path, args.first + args.windows)[args.first :]
+    taus = sorted({float(x) for x in args.taus.split(",")} | {args.tau})
+    spec = {"budget": args.budget, "hold_local": True}
+    beta, ret = [], []  # [K][W] of [S, R]
+    for tau in taus:
+        res = [run(tr, h, {**spec, "rule": "cos", "thr": tau}) for tr in traces]
+        beta.append([x["beta"] for x in res])
+        ret.append([x["retrieved"] for x in res])
+        print(f"  tau {tau}: done", flush=True)
+    steps = beta[0][0].shape[0]
+    half = steps // 2
+    n_rows = beta[0][0].shape[1]
+    rows = torch.arange(n_rows)
+
+    def second(pick_w: list[torch.Tensor]) -> tuple[float, float]:
+        """Mean β and ρ̂ over the windows' second halves, row r at grid index pick_w[w][r]."""
+        b = torch.stack([torch.stack([beta[k][w][half:, r] for r, k in enumerate(p.tolist())])
+                         for w, p in enumerate(pick_w)])  # fmt: skip
+        q = torch.stack([torch.stack([ret[k][w][half:, r] for r, k in enumerate(p.tolist())])
+                         for w, p in enumerate(pick_w)])  # fmt: skip
+        return float(b.mean()), 100 * float(q.mean())
+
+    results = {}
+    one = torch.full((n_rows,), taus.index(args.tau))
+    results[f"tau {args.tau}"] = second([one] * len(traces))
+    if args.table:
+        table = json.loads(Path(args.table).read_text())["tau"]
+        flat = [x for row in table for x in (row if len(row) == h else row * h)]
+        pick = torch.tensor([taus.index(min(taus, key=lambda g, x=x: abs(g - x))) for x in flat])
+        results[f"table {Path(args.table).name}"] = second([pick] * len(traces))
+    picks = []
+    for w in range(len(traces)):
+        b = torch.stack([beta[k][w][:half].mean(0) for k in range(len(taus))])  # [K, R]
+        r = torch.stack([ret[k][w][:half].mean(0) for k in range(len(taus))])
+        lo, hi = 0.0, 10.0
+        for _ in range(60):
+            lam = (lo + hi) / 2
+            if r[(b + lam * r).argmin(0), rows].mean() > args.target_rho / 100:
+                lo = lam
+            else:
+                hi = lam
+        picks.append((b + hi * r).argmin(0))
+    results[f"self, target {args.target_rho} %"] = second(picks)
+    for name, (b, q) in results.items():
+        row = {"set": name, "beta": round(b, 4), "rho": round(q, 1), "windows": len(traces),
+               "first": args.first, "steps": f"{half}..{steps - 1}"}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        if args.log:
+            with open(args.log, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -336,9 +403,21 @@ def main() -> None:
     c.add_argument("--budget", type=int, default=512)
     c.add_argument("--sliding", action="store_true", help="calibrate for hold_local=False")
     c.add_argument("--out", required=True)
+    d = sub.add_parser("self", help="a table calibrated on each window's first half, measured "
+                       "on its second half")  # fmt: skip
+    d.add_argument("trace")
+    d.add_argument("--first", type=int, default=0, help="skip the first windows")
+    d.add_argument("--windows", type=int, default=2)
+    d.add_argument("--target-rho", type=float, default=30.0, help="mean rho-hat, %%")
+    d.add_argument("--taus", default="0.5,0.6,0.65,0.7,0.75,0.8,0.85,0.9,0.95,1.01")
+    d.add_argument("--tau", type=float, default=0.72, help="the one threshold to compare")
+    d.add_argument("--table", help="a calibrate table to compare")
+    d.add_argument("--budget", type=int, default=512)
+    d.add_argument("--log")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    {"rules": rules, "per-head": per_head, "calibrate": calibrate}[args.cmd](args)
+    cmds = {"rules": rules, "per-head": per_head, "calibrate": calibrate, "self": self_calibration}
+    cmds[args.cmd](args)
 
 
 if __name__ == "__main__":
