@@ -131,8 +131,8 @@ def emit(out: Any, row: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="16384x1024,65536x1024,8192x128,2048x128",
-                   help="NxK, comma separated")  # fmt: skip
+    cases = "16384x1024,16396x1024,65536x1024,65548x1024,8192x128,2048x128"
+    p.add_argument("--cases", default=cases, help="NxK, comma separated")
     p.add_argument("--active", default="0.1,0.03")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

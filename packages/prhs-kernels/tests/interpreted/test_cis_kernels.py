@@ -3,6 +3,8 @@ under Triton's interpreter (run by ``../test_triton.py``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -197,28 +199,33 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold)
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "one_pass"),
+    ("n", "k", "one_pass", "passes"),
     [
-        (1, 1, None),
-        (20, 5, None),
-        (100, 100, None),
-        (300, 128, None),
-        (64, 3, None),
-        # Long rows in two passes (thresholds made small here; 4096 and 2048 on a GPU):
-        (300, 20, 64),  # 5 chunks of 64
-        (300, 50, 64),  # 3 chunks of 128, the last (44) shorter than k
-        (256, 256, 64),  # a chunk (2k = 512) would hold the whole row: one pass
-        (2000, 100, 64),  # 8 chunks of 256 win 800 > 512: chunks of 512 (4 × 100 winners)
+        (1, 1, None, 1),
+        (20, 5, None, 1),
+        (100, 100, None, 1),
+        (300, 128, None, 1),
+        (64, 3, None, 1),
+        # Long rows in several passes (thresholds made small here; 8192 on a GPU):
+        (300, 20, 64, 3),  # 5 chunks of 64 win 100, 2 chunks of those win 40, then one pass
+        (300, 50, 64, 3),  # chunks of 128 (2k), the last (44) shorter than k
+        (256, 256, 64, 1),  # a chunk (2k = 512) would hold the whole row: one pass
+        (2000, 100, 64, 4),  # 8 chunks of 256 win 800, then 400, then 200
+        (520, 16, 64, 3),  # just over a power of two: 9 chunks win 144, 3 of those 48
+        (600, 300, 64, 0),  # 2k > 512 registers: torch.topk
     ],
 )
-def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass):
+def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass, passes):
     if one_pass is not None:
         monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", one_pass)
         monkeypatch.setattr(cis_triton, "TOPK_CHUNK", one_pass)
         monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 512)
-        chunk, chunks = cis_triton._topk_plan(n, k)
-        assert (chunks > 1) == (k < 256)
-        assert chunks * k <= 512 and chunk * chunks >= n
+    plan = cis_triton._topk_plan(n, k)
+    assert (0 if plan is None else len(plan)) == passes
+    if plan is not None:
+        assert plan[0][0] == n and plan[-1][2] == 1 and plan[-1][0] <= 512
+        for (length, chunk, chunks), nxt in itertools.pairwise(plan):
+            assert chunk * chunks >= length > chunk * (chunks - 1) and nxt[0] == chunks * k
     gen = torch.Generator().manual_seed(n + k)
     x = torch.rand(6, n, generator=gen)
     x[x < 0.3] = float("-inf")
@@ -238,4 +245,5 @@ def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pa
     assert idx.shape == (6, min(k, n)) and idx.dtype == torch.int32
     assert torch.equal(idx[active], want_idx[active])
     assert torch.equal(val[active], want_val[active])
-    assert (idx[~active] == -1).all() and torch.isneginf(val[~active]).all()
+    if plan is not None:  # torch.topk (the fallback) ranks every row
+        assert (idx[~active] == -1).all() and torch.isneginf(val[~active]).all()

@@ -183,9 +183,9 @@ def top_blocks(
 
     On a Triton path with ``active [...]`` given, the active rows only are ranked (the others
     get ``-1`` / ``-inf``): one program per row for rows of up to 8192 scores; longer rows in
-    two passes (the top ``m`` of each chunk of 2048 or more, then of their winners) while the
-    winners number at most 16384 (so up to 262 144 scores at ``m = 128``, 65 536 at
-    ``m = 1024``). Otherwise every row is ranked by ``torch.topk``."""
+    two passes or more (the top ``m`` of each chunk of 8192, or of ``2m`` rounded up to a power
+    of two, then of their winners, and so on). ``m`` above 8192, or ``active=None``: every row
+    is ranked by ``torch.topk``."""
     k = min(m, scores.shape[-1])
     if active is not None:
         check_bool_mask("active", active, tuple(scores.shape[:-1]))
