@@ -486,7 +486,8 @@ def top_blocks_triton(
     *_, topk = _kernels(interpreting())
     # Each pass but the last keeps each chunk's top k by position (so a row's candidates stay
     # in position order and ties toward the lower id); the last sorts and reports the ids.
-    values, ids, has_ids = scores.contiguous(), scores, False
+    values = ids = scores.contiguous()  # ids: unread until a pass ranks candidates
+    has_ids = False
     for length, chunk, chunks in plan:
         last = chunks == 1
         out_idx = idx if last else torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)
