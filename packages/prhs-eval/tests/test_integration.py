@@ -134,6 +134,40 @@ def test_state_lives_on_the_cache_and_restarts_with_a_new_prefill(make_tiny):
         runtime.disable()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cis_auto_calibrates_on_each_prompt(make_tiny, family):
+    """``tau="auto"``: the prefill shows CIS the prompt's last queries in every full layer; a
+    long enough prompt gets thresholds of the grid, a short one keeps the fallback, and decode
+    then runs on them."""
+    from transformers import DynamicCache
+
+    from prhs_selectors.cis_calibration import TAU_GRID
+
+    model = make_tiny(family)
+    runtime = prhs_eval.enable(
+        model, "cis", budget=4, n_sink=2, n_local=4, prompt_queries=8, target_rho=0.3
+    )
+    try:
+        cache = DynamicCache(config=model.config)
+        batch = _batch(128, [60, 12], seed=3)
+        with torch.no_grad():
+            model(**batch, past_key_values=cache, use_cache=True)
+        state = runtime.state_for(cache)
+        spec = runtime.spec
+        full = list(spec.selectable_layers)
+        rho = state.pool["tau_rho"]
+        assert torch.all(rho[0, full] >= 0) and torch.all(rho[1] == -1)
+        others = [i for i in range(spec.num_layers) if i not in full]
+        assert torch.all(rho[0, others] == -1)  # sliding layers are never shown
+        tau = state.pool["tau"]
+        assert torch.isin(tau[0, full], torch.tensor(TAU_GRID)).all()
+        assert torch.all(tau[1] == 0.72)
+        out = _generate(model, batch, n=4)
+        assert out.shape[1] == 64
+    finally:
+        runtime.disable()
+
+
 def test_psaw_prefill_mask_follows_the_plan_per_left_padded_row(make_tiny):
     model = make_tiny("llama")
     runtime = prhs_eval.enable(model, "psaw", start_layer=1, phi=0.3, n_sink=2)

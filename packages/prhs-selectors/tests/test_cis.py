@@ -163,7 +163,7 @@ def test_released_slot_starts_without_anchor(make_sim):
     assert state.pool.num_active == 0
     sim.attach(sel, state)  # the same slot, a new sequence
     for name in state.pool.field_names:
-        fill = {"anchor_idx": -1}.get(name, 0)
+        fill = {"anchor_idx": -1, "tau": 0.72, "tau_beta": -1, "tau_rho": -1}.get(name, 0)
         assert bool((state.pool[name][0] == fill).all()), name
     # The same (constant) query would reuse a stale anchor: a fresh slot must retrieve.
     assert bool(sim.select(0).stats.retrieved.all())

@@ -77,6 +77,7 @@ def test_small_budget_finds_passkey_and_reports_statistics(small, passkey):
     assert _key_of(out["text"]) == "71432", out["text"]
     report = small.prhs()
     assert report["decode_steps"] >= NEW_TOKENS - 1
+    assert report["prompts_observed"] >= 1  # CIS's tau="auto" calibrated on the prompt
     assert report["retrieval_ratio"] is not None and 0.0 <= report["retrieval_ratio"] <= 100.0
     # 64 positions (+ sink and local windows) of ~2000 cached ones.
     assert report["avg_selected"] < report["avg_cached"] / 4

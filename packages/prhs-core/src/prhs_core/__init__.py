@@ -22,7 +22,13 @@ from prhs_core import checks, theory
 from prhs_core.config import AttentionSpec, LayerType, SelectorConfig
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
 from prhs_core.plan import DecodePlan
-from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillLayerPlan, PrefillPlanner
+from prhs_core.protocols import (
+    DecodeSelector,
+    DecodeStep,
+    PrefillLayerPlan,
+    PrefillPlanner,
+    PromptObserver,
+)
 from prhs_core.registry import Registry, RegistryEntry, UnknownSelectorError, selectors
 from prhs_core.selection import Selection, StepStats
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
@@ -40,6 +46,7 @@ __all__ = [
     "PagedKV",
     "PrefillLayerPlan",
     "PrefillPlanner",
+    "PromptObserver",
     "Registry",
     "RegistryEntry",
     "Selection",

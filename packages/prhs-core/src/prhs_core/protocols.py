@@ -22,6 +22,13 @@ Request lifecycle: ``state.pool.create(slots)`` before a request's first decode 
 Prefill (optional, for PSAW / ETF): a selector that also implements :class:`PrefillPlanner`
 gives, per layer, a :class:`PrefillLayerPlan` of parameters (a window fraction and sinks, a frozen
 fraction) that a varlen prefill kernel takes as they are.
+
+Prefill (optional, for CIS's ``tau="auto"``): a selector that also implements
+:class:`PromptObserver` and asks for ``W = selector.prompt_queries() > 0`` queries sees, per
+selectable layer and in layer order, the last ``W`` queries of each prompt once its K/V are
+written::
+
+    selector.observe_prompt(state, layer, slots, queries, kv, scaling)   # queries [B, W, Hq, D]
 """
 
 from __future__ import annotations
@@ -34,12 +41,12 @@ import torch
 
 from prhs_core.checks import check_int
 from prhs_core.config import AttentionSpec
-from prhs_core.layout import KVLayout
+from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.plan import DecodePlan
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 
-__all__ = ["DecodeSelector", "DecodeStep", "PrefillLayerPlan", "PrefillPlanner"]
+__all__ = ["DecodeSelector", "DecodeStep", "PrefillLayerPlan", "PrefillPlanner", "PromptObserver"]
 
 
 @dataclass(frozen=True)
@@ -241,4 +248,28 @@ class PrefillPlanner(Protocol):
 
     def plan_prefill(self, layer: int, num_layers: int) -> PrefillLayerPlan:
         """The plan of ``layer`` of a model of ``num_layers`` layers."""
+        ...
+
+
+@runtime_checkable
+class PromptObserver(Protocol):
+    """Optional: a selector that learns from each prompt at prefill (CIS with ``tau="auto"``
+    calibrates its reuse thresholds there)."""
+
+    def prompt_queries(self) -> int:
+        """``W``: how many of a prompt's last queries it wants per layer (0: none)."""
+        ...
+
+    def observe_prompt(
+        self,
+        state: SelectorState,
+        layer: int,
+        slots: list[int] | tuple[int, ...],
+        queries: torch.Tensor,
+        kv: ContiguousKV,
+        scaling: float,
+    ) -> None:
+        """The last ``W`` queries ``[B, W, Hq, D]`` (after RoPE) of the prompts of ``slots``
+        (host ints), at ``layer``, whose K/V ``kv`` holds (``B`` rows, lengths = the prompts');
+        called for every selectable layer in order, after that layer's K/V are written."""
         ...

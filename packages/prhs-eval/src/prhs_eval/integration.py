@@ -21,7 +21,8 @@ What it installs (transformers 5.x):
   layer wraps its cache in a :class:`~prhs_core.layout.ContiguousKV`, asks the selector for a
   :class:`~prhs_core.selection.Selection` and runs :func:`prhs_kernels.sparse_decode_attention`
   over it. Sliding-window layers (Gemma3's local layers) run the model's own SDPA attention. At
-  prefill, a selector with a prefill plan (PSAW) restricts each row's window;
+  prefill, a selector with a prefill plan (PSAW) restricts each row's window, and one that
+  observes prompts (CIS with ``tau="auto"``) sees each layer's last prompt queries;
 - a forward hook on every decoder layer for ETF: the frozen prefix's hidden states leave the
   layer as they entered it (their keys/values at that layer are still computed from them);
 - forward pre-hooks that find the live ``Cache`` object. The selector's state (a
@@ -49,7 +50,7 @@ import torch
 from prhs_core.config import AttentionSpec, LayerType
 from prhs_core.layout import ContiguousKV
 from prhs_core.plan import DecodePlan
-from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillPlanner
+from prhs_core.protocols import DecodeSelector, DecodeStep, PrefillPlanner, PromptObserver
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
@@ -202,6 +203,10 @@ class PrhsRuntime:
         self._selectable = frozenset(self.spec.selectable_layers)
         self._first_layer = min(self.spec.selectable_layers)
         self._planner = selector if isinstance(selector, PrefillPlanner) else None
+        # A selector that calibrates on the prompt (CIS tau="auto") sees its last queries.
+        self._prompt_queries = (
+            selector.prompt_queries() if isinstance(selector, PromptObserver) else 0
+        )
         self._handles: list[Any] = []
         self._previous_impl: str | None = None
         self._cache: Any = None
@@ -410,6 +415,12 @@ class PrhsRuntime:
             held = getattr(self._cache, _STATE_ATTR, None)
             if held is not None and self._fresh_prefill and tq == tk:
                 self._write_kv(held, layer, kv, self._all_positions(kv))
+                w = min(self._prompt_queries, tq)
+                if w >= 2:
+                    self.selector.observe_prompt(  # type: ignore[attr-defined]
+                        held.state, layer, list(range(b)), query[:, :, -w:].transpose(1, 2),
+                        kv, scale,
+                    )  # fmt: skip
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:
                 plan = self._planner.plan_prefill(layer, self.spec.num_layers)

@@ -113,6 +113,34 @@ def test_decide_per_head_thresholds():
         cis_decide(*args, tau=torch.tensor([0.8, 0.8, 0.8]).double(), n_local=16, path="torch")
 
 
+def test_decide_per_slot_thresholds():
+    """``tau [N, Hkv]`` (CIS's ``tau="auto"``): row ``b`` compares with row ``slots[b]`` of the
+    table, read through a strided view of the layer (as the state holds it); Triton equals
+    torch and each (slot, head) equals the scalar rule at its threshold."""
+    gen = torch.Generator().manual_seed(6)
+    b, h, g, d, n = 4, 3, 2, 16, 7
+    aq, alen, *_ = _anchors(n, h, g, d, 4, gen)
+    slots = torch.tensor([5, 0, 3, 6])
+    alen[:] = 40
+    lens = torch.full((b,), 50, dtype=torch.int32)
+    q = aq[slots] + 0.6 * torch.randn(b, h, g, d, generator=gen)
+    query = q.reshape(b, h * g, d).bfloat16()
+    args = (query, aq, alen, slots, lens)
+    layers = torch.rand(n, 2, h, generator=gen) * 0.6 + 0.5  # [N, layers, Hkv]
+    layers[5, 1] = torch.tensor([-1.0, 1.01, 0.8])
+    tau = layers[:, 1]  # a strided [N, Hkv] view
+    got, _ = cis_decide(*args, tau=tau, n_local=16, path=PATH)
+    want, _ = cis_decide(*args, tau=tau, n_local=16, path="torch")
+    assert torch.equal(got, want)
+    for i, slot in enumerate(slots.tolist()):
+        for j in range(h):
+            one, _ = cis_decide(*args, tau=float(tau[slot, j]), n_local=16, path="torch")
+            assert bool(got[i, j]) == bool(one[i, j])
+    assert not got[0, 0] and got[0, 1]
+    with pytest.raises(ValueError, match=r"\[N, Hkv\]"):
+        cis_decide(*args, tau=tau[:5], n_local=16, path="torch")
+
+
 @pytest.mark.parametrize(
     ("s", "n_sink", "n_local", "score"),
     [(1, 4, 8, "max"), (8, 4, 32, "max"), (4, 0, 0, "max"), (16, 20, 5, "max"), (8, 4, 32, "mass")],

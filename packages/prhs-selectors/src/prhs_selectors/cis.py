@@ -32,7 +32,7 @@ import torch
 
 from prhs_core.checks import check_int, check_probability
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.layout import KVLayout
+from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
@@ -54,10 +54,20 @@ from prhs_kernels.kv import gather_kv
 from prhs_kernels.score import max_key_norm, retrieval_probs, score_keys
 from prhs_kernels.topk import top_p_indices, topk_indices
 from prhs_selectors.base import BaseSelector
+from prhs_selectors.cis_calibration import TAU_GRID, ReplayConfig, choose_tau, replay_curves
 
-__all__ = ["CIS", "CISConfig", "group_log_dropped_mass"]
+__all__ = ["AUTO_TAU", "CIS", "FALLBACK_TAU", "CISConfig", "group_log_dropped_mass"]
 
 NEG_INF = float("-inf")
+
+#: ``tau="auto"``: calibrate a threshold per (layer, KV head) on each prompt.
+AUTO_TAU = "auto"
+#: The threshold of a row ``tau="auto"`` could not calibrate (a prompt too short, a host that
+#: shows no prompt).
+FALLBACK_TAU = 0.72
+#: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
+DEFAULT_TARGET_RHO = 0.28
+DEFAULT_PROMPT_QUERIES = 32
 
 _ANCHOR_FIELDS = (
     "anchor_q",
@@ -68,9 +78,10 @@ _ANCHOR_FIELDS = (
 )
 
 
-def _check_tau(tau: object) -> float | tuple[tuple[float, ...], ...]:
-    """``tau`` as a float, or as a table of floats (rows: layers; columns: one, or one per KV
-    head), every value a cosine threshold in [-1, 1.01] (above 1: that row always retrieves)."""
+def _check_tau(tau: object) -> float | str | tuple[tuple[float, ...], ...]:
+    """``tau`` as ``"auto"``, a float, or a table of floats (rows: layers; columns: one, or one
+    per KV head), every value a cosine threshold in [-1, 1.01] (above 1: that row always
+    retrieves)."""
 
     def one(x: object, where: str) -> float:
         if isinstance(x, bool) or not isinstance(x, int | float):
@@ -80,6 +91,10 @@ def _check_tau(tau: object) -> float | tuple[tuple[float, ...], ...]:
             raise ValueError(f"tau{where} is a cosine threshold and must lie in {bound}, got {x}")
         return float(x)
 
+    if isinstance(tau, str):
+        if tau != AUTO_TAU:
+            raise ValueError(f"tau must be a float, a table or {AUTO_TAU!r}, got {tau!r}")
+        return tau
     if not isinstance(tau, list | tuple):
         return one(tau, "")
     if not tau or not all(isinstance(row, list | tuple) and row for row in tau):
@@ -111,10 +126,20 @@ class CISConfig(SelectorConfig):
         positions' group-mean probabilities, the attention mass it holds (what the dropped mass
         counts), or ``"max"``, its largest one (the paper's reading).
     tau:
-        Cosine threshold ``τ`` between the group's concatenated queries and the anchor's (0.72;
-        the paper's 0.8 retrieves at about half the steps on the models measured); or a table
-        with one row per layer, each row one threshold for every KV head or one per KV head
-        (what ``benchmarks/scripts/cis_rules.py calibrate`` writes for a model).
+        Cosine threshold ``τ`` between the group's concatenated queries and the anchor's.
+        ``"auto"`` (the default): calibrated on each prompt, one per (layer, KV head), for a
+        mean retrieval ratio of ``target_rho`` (see :meth:`CIS.observe_prompt`); rows it could
+        not calibrate use 0.72. In certified mode the calibrated threshold is the cosine gate
+        that comes on top of the certificate (``require_cosine``). A float: one threshold for
+        every row (the paper's 0.8 retrieves at about half the steps on the models measured).
+        A table: one row per layer, each row one threshold for every KV head or one per KV
+        head (what
+        ``benchmarks/scripts/cis_rules.py calibrate`` writes for a model).
+    target_rho:
+        ``tau="auto"`` only: the mean retrieval ratio the calibration aims at (default 0.28).
+    prompt_queries:
+        ``tau="auto"`` only: how many of the prompt's last queries the calibration replays
+        (default 32, at least 2).
     hold_local:
         A reuse also reads the positions that left the local window since its anchor was made
         (the window starts where the anchor's did): the anchor's list was chosen outside its
@@ -139,7 +164,9 @@ class CISConfig(SelectorConfig):
     n_local: int = 32
     block_size: int = 1
     block_score: str = "mass"
-    tau: float | tuple[tuple[float, ...], ...] = 0.72
+    tau: float | str | tuple[tuple[float, ...], ...] = AUTO_TAU
+    target_rho: float | None = None
+    prompt_queries: int | None = None
     hold_local: bool = True
     n_den: int = 3
     r: int = 1
@@ -158,6 +185,7 @@ class CISConfig(SelectorConfig):
         check_int("r", self.r, minimum=0)
         if not isinstance(self.require_cosine, bool):
             raise TypeError("require_cosine must be a bool")
+        self._check_auto()
         if self.delta_max is None:
             if not self.require_cosine:
                 raise ValueError(
@@ -178,6 +206,36 @@ class CISConfig(SelectorConfig):
                 )
         if self.k_max is not None:
             check_int("k_max", self.k_max, minimum=self.budget)
+
+    def _check_auto(self) -> None:
+        if self.tau != AUTO_TAU:
+            if self.target_rho is not None or self.prompt_queries is not None:
+                raise ValueError(
+                    "target_rho and prompt_queries apply to tau='auto' (a threshold calibrated "
+                    f"on the prompt); tau is {self.tau!r}"
+                )
+            return
+        if self.target_rho is not None:
+            check_probability("target_rho", self.target_rho)
+            if not 0.0 < self.target_rho <= 1.0:
+                raise ValueError(f"target_rho must lie in (0, 1], got {self.target_rho}")
+        if self.prompt_queries is not None:
+            check_int("prompt_queries", self.prompt_queries, minimum=2)
+
+    @property
+    def auto_tau(self) -> bool:
+        """Whether ``tau`` is calibrated on each prompt (``tau="auto"``)."""
+        return self.tau == AUTO_TAU
+
+    @property
+    def auto_target_rho(self) -> float:
+        """The mean retrieval ratio ``tau="auto"`` aims at."""
+        return self.target_rho if self.target_rho is not None else DEFAULT_TARGET_RHO
+
+    @property
+    def auto_queries(self) -> int:
+        """How many prompt queries ``tau="auto"`` replays."""
+        return self.prompt_queries if self.prompt_queries is not None else DEFAULT_PROMPT_QUERIES
 
     @property
     def certified(self) -> bool:
@@ -271,7 +329,8 @@ class CIS(BaseSelector):
         # A table goes to the device now, never inside a captured step.
         self._tau_list = self._tau_rows(n_l, h)
         self._tau_tables: dict[str, torch.Tensor] = {}
-        self.layer_tau(0, state.device)
+        if self._tau_list is not None:
+            self.layer_tau(0, state.device)
         m = self.anchor_width()
         pool = state.pool
         pool.add_field("anchor_q", (n_l, h, g, d), torch.float32)
@@ -280,12 +339,18 @@ class CIS(BaseSelector):
         pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
         pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
+        if self.config.auto_tau:
+            # The calibrated thresholds, and each layer's replayed curves until all are seen.
+            k = len(TAU_GRID)
+            pool.add_field("tau", (n_l, h), torch.float32, FALLBACK_TAU)
+            pool.add_field("tau_beta", (n_l, h, k), torch.float32, -1.0)  # -1: not seen
+            pool.add_field("tau_rho", (n_l, h, k), torch.float32, -1.0)
 
     def _tau_rows(self, num_layers: int, num_kv_heads: int) -> list[list[float]] | None:
         """The ``tau`` table as ``num_layers`` rows of ``num_kv_heads`` thresholds (``None`` for
         one ``tau``); a table that does not fit the model is an error."""
         tau = self.config.tau
-        if isinstance(tau, float):
+        if isinstance(tau, float | str):
             return None
         widths = {len(row) for row in tau}
         if len(tau) != num_layers or not widths <= {1, num_kv_heads}:
@@ -296,12 +361,19 @@ class CIS(BaseSelector):
             )
         return [list(row) * num_kv_heads if len(row) == 1 else list(row) for row in tau]
 
-    def layer_tau(self, layer: int, device: torch.device | str) -> float | torch.Tensor:
-        """``τ`` of ``layer``: the float, or the table's row as ``[Hkv]`` float32 on ``device``
-        (copied there once, at :meth:`init_state` for the state's device)."""
+    def layer_tau(
+        self, layer: int, device: torch.device | str, state: SelectorState | None = None
+    ) -> float | torch.Tensor:
+        """``τ`` of ``layer``: the float; the table's row as ``[Hkv]`` float32 on ``device``
+        (copied there once, at :meth:`init_state` for the state's device); or, with
+        ``tau="auto"``, ``state``'s calibrated thresholds ``[N, Hkv]`` (rows by slot)."""
         tau = self.config.tau
         if isinstance(tau, float):
             return tau
+        if isinstance(tau, str):
+            if state is None:
+                raise ValueError("tau='auto' keeps its thresholds in the state: pass state=")
+            return state.pool["tau"][:, layer]
         key = str(torch.device(device))
         if key not in self._tau_tables:
             self._tau_tables[key] = torch.tensor(self._tau_list, dtype=torch.float32, device=device)
@@ -334,6 +406,116 @@ class CIS(BaseSelector):
             return "torch"
         return cis_path(device, dtype, self.config.block_size)
 
+    # -- the prompt: tau="auto" ---------------------------------------------------------------
+    def prompt_queries(self) -> int:
+        """How many of a prompt's last queries :meth:`observe_prompt` wants per layer (0: none,
+        ``tau`` is fixed)."""
+        c = self.config
+        return c.auto_queries if c.auto_tau and c.require_cosine else 0
+
+    def replay_config(self) -> ReplayConfig:
+        """The hyperparameters a calibration replays (this selector's)."""
+        c = self.config
+        return ReplayConfig(
+            budget=c.budget,
+            n_sink=c.n_sink,
+            n_local=c.n_local,
+            block_size=c.block_size,
+            block_score=c.block_score,
+            n_den=c.n_den,
+            r=c.r,
+            hold_local=c.hold_local,
+        )
+
+    def observe_prompt(
+        self,
+        state: SelectorState,
+        layer: int,
+        slots: list[int] | tuple[int, ...],
+        queries: torch.Tensor,
+        kv: ContiguousKV,
+        scaling: float,
+    ) -> None:
+        """``tau="auto"``: calibrate ``layer``'s thresholds on a prompt (a no-op otherwise).
+
+        The host calls this at prefill, after the layer's K/V are written, with the last ``W``
+        queries of each prompt (``queries [B, W, Hq, D]`` after RoPE, ``2 ≤ W ≤``
+        :meth:`prompt_queries`; query ``i`` of row ``b`` sits at position ``len_b − W + i``),
+        the prompt's cache ``kv`` (``B`` rows, lengths = the prompts') and the host slots
+        ``slots`` (ints) of the rows' requests. Every selectable layer is observed, in order;
+        the call for the last one sets each slot's thresholds from all of them
+        (:func:`prhs_selectors.cis_calibration.choose_tau`). A prompt shorter than
+        ``W + n_sink + n_local + budget + block_size`` keeps the fallback 0.72 (it drops no
+        position a replay could measure). A later prompt into the same slot (the next chunk
+        of a chunked prefill) calibrates again. Prefill only: it reads lengths on the host.
+        """
+        if not self.prompt_queries():
+            return
+        spec = self._spec()
+        check_int("layer", layer, minimum=0)
+        if layer not in spec.selectable_layers:
+            raise ValueError(
+                f"layer {layer} is not a selectable layer of this model "
+                f"({list(spec.selectable_layers)})"
+            )
+        if not isinstance(kv, ContiguousKV):
+            raise TypeError(f"kv must be a ContiguousKV of the prompts, got {type(kv).__name__}")
+        b, h, d = kv.batch_size, spec.num_kv_heads, spec.head_dim
+        if kv.num_kv_heads != h or kv.k.shape[-1] != d:
+            raise ValueError(
+                f"kv has {kv.num_kv_heads} KV heads of dim {kv.k.shape[-1]}, the model "
+                f"{h} of dim {d}"
+            )
+        if not isinstance(queries, torch.Tensor) or queries.ndim != 4:
+            raise ValueError("queries must be a [B, W, Hq, D] tensor")
+        w_max = self.prompt_queries()
+        if queries.shape[0] != b or queries.shape[2:] != (spec.num_q_heads, d):
+            raise ValueError(
+                f"queries must be [B={b}, W, Hq={spec.num_q_heads}, D={d}], got "
+                f"{list(queries.shape)}"
+            )
+        w = queries.shape[1]
+        if not 2 <= w <= w_max:
+            raise ValueError(f"queries must hold 2 to {w_max} positions per row, got {w}")
+        if queries.device != kv.k.device:
+            raise ValueError(f"queries on {queries.device}, kv on {kv.k.device}: one device")
+        if isinstance(scaling, bool) or not isinstance(scaling, int | float) or scaling <= 0:
+            raise ValueError(f"scaling must be a positive float, got {scaling!r}")
+        ids = [check_int(f"slots[{i}]", x, minimum=0) for i, x in enumerate(slots)]
+        if len(ids) != b:
+            raise ValueError(f"slots must name one slot per row ({b}), got {len(ids)}")
+        outside = [x for x in ids if x >= state.pool.capacity]
+        if outside:
+            raise ValueError(
+                f"slots must lie in [0, {state.pool.capacity}) (the pool's capacity), got {outside}"
+            )
+        idle = [x for x in ids if not state.pool.is_active(x)]
+        if idle:
+            raise ValueError(f"slots {idle} hold no sequence (create them first)")
+
+        cfg = self.replay_config()
+        taus = torch.tensor(TAU_GRID, dtype=torch.float32, device=kv.k.device)
+        beta = torch.full((b, h, len(TAU_GRID)), -1.0, device=kv.k.device)  # -1: too short
+        rho = torch.full_like(beta, -1.0)
+        lens = kv.seq_lens.tolist()
+        starts = kv.start.tolist() if kv.start is not None else [0] * b
+        for i, (n, st) in enumerate(zip(lens, starts, strict=True)):
+            if n < cfg.min_prompt_len(w):
+                continue
+            keys = kv.k[i, :, st : st + n]
+            beta[i], rho[i] = replay_curves(queries[i], keys, float(scaling), cfg, taus)
+        pool = state.pool
+        idx = torch.tensor(ids, dtype=torch.long, device=pool.device)
+        pool["tau_beta"][idx, layer] = beta.to(pool.device)
+        pool["tau_rho"][idx, layer] = rho.to(pool.device)
+        if layer == max(spec.selectable_layers):
+            n_l = spec.num_layers
+            curves = [pool[f][idx].reshape(b, n_l * h, -1) for f in ("tau_beta", "tau_rho")]
+            tau = choose_tau(
+                *curves, taus.to(pool.device), self.config.auto_target_rho, FALLBACK_TAU
+            )
+            pool["tau"][idx] = tau.view(b, n_l, h)
+
     def _select_paper(
         self,
         plan: DecodePlan,
@@ -354,7 +536,7 @@ class CIS(BaseSelector):
             anchor["anchor_len"],
             slots,
             kv.seq_lens,
-            tau=self.layer_tau(layer, query.device),
+            tau=self.layer_tau(layer, query.device, state),
             n_local=c.n_local,
             nonfinite=state.nonfinite,
             path=path,
@@ -429,8 +611,10 @@ class CIS(BaseSelector):
         reuse = (ta > 0) & (lens - ta <= c.n_local) & (lens >= ta)
         if c.require_cosine:
             cos = torch.nn.functional.cosine_similarity(q.flatten(-2), qa.flatten(-2), dim=-1)
-            tau = self.layer_tau(layer, query.device)
-            reuse &= cos >= (tau.view(1, -1) if isinstance(tau, torch.Tensor) else tau)
+            tau = self.layer_tau(layer, query.device, state)
+            if isinstance(tau, torch.Tensor):
+                tau = tau[slots] if tau.ndim == 2 else tau.view(1, -1)
+            reuse &= cos >= tau
         # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
         offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
         new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]

@@ -9,7 +9,9 @@ copy of K/V and adds:
   padded rows marked ``slot = -1``) and, per layer, ``select`` then sparse attention over a
   :class:`~prhs_core.layout.PagedKV` view of the pool;
 - prefill / extend through a dense SGLang backend (``torch_native`` on the CPU, ``triton`` on
-  CUDA), or through PSAW's windowed attention where the selector plans a window for the layer.
+  CUDA), or through PSAW's windowed attention where the selector plans a window for the layer;
+  a selector that observes prompts (CIS with ``tau="auto"``) then sees each request's last
+  extended queries and its cached K/V, per layer, to calibrate on.
 
 Request lifecycle. The request id SGLang attaches to each batch row (or, without ids, the
 ``req_to_token`` row's *generation*, which SGLang bumps whenever it hands the row to a new
@@ -37,7 +39,7 @@ from sglang.srt.runtime_context import get_parallel
 from torch.nn.functional import scaled_dot_product_attention
 
 from prhs_core.config import AttentionSpec
-from prhs_core.layout import PagedKV
+from prhs_core.layout import ContiguousKV, PagedKV
 from prhs_core.plan import DecodePlan
 from prhs_kernels.paths import kernel_path, warm_up
 from prhs_kernels.prefill import psaw_prefill_attention
@@ -145,8 +147,12 @@ class PrhsAttnBackend(AttentionBackend):
         self._step: _DecodeStep | None = None
         self._checked_layers: set[int] = set()
         self._prefill_plans = self._plan_prefill()
+        observe = getattr(self.selector, "prompt_queries", None)
+        self._prompt_queries = int(observe()) if observe is not None else 0
+        self._last_selectable = max(self.spec.selectable_layers)
         # Statistics: host counters plus the plans' device totals, read when logged/reported.
         self.decode_steps = 0
+        self.prompts_observed = 0  # extends shown to a selector that calibrates on prompts
         self._cached_sum = 0.0  # sum over decode steps of the mean cached length
         self._last_logged: dict[str, float] = {}
         self._last_logged_steps = 0
@@ -361,7 +367,49 @@ class PrhsAttnBackend(AttentionBackend):
             out = self._windowed_extend(q, layer, forward_batch, plan)
         if save_kv_cache:
             self._write_side(layer, forward_batch, k, v)
+        if self._prompt_queries and layer.layer_id in self._selectable:
+            self._observe_prompt(q, layer, forward_batch)
         return out
+
+    def _extend_rows(self, fb: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+        """``(prefix, extend, rows)`` of an extend batch's requests, from host metadata."""
+        prefix, extend, rows = (
+            fb.extend_prefix_lens_cpu,
+            fb.extend_seq_lens_cpu,
+            fb.req_pool_indices_cpu,
+        )
+        if prefix is None or extend is None or rows is None:  # host metadata SGLang always sets
+            prefix = fb.extend_prefix_lens.tolist()
+            extend = fb.extend_seq_lens.tolist()
+            rows = fb.req_pool_indices.cpu()
+        return [int(x) for x in prefix], [int(x) for x in extend], [int(x) for x in rows]
+
+    def _observe_prompt(self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch) -> None:
+        """CIS with ``tau="auto"``: show the selector each request's last extended queries and
+        its cached K/V (prefix included), to calibrate its reuse thresholds on."""
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        qv = q.reshape(-1, hq, d)
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        r2t = self.req_to_token_pool.req_to_token
+        last = layer.layer_id == self._last_selectable
+        start = 0
+        for p, n, row in zip(*self._extend_rows(fb), strict=True):
+            w = min(self._prompt_queries, n)
+            if row > 0 and w >= 2:
+                self.prompts_observed += int(last)
+                total = p + n
+                locs = r2t[row, :total].long()
+                kv = ContiguousKV(
+                    k_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+                    v_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0),
+                    torch.full((1,), total, dtype=torch.int32, device=qv.device),
+                )
+                queries = qv[start + n - w : start + n].unsqueeze(0)  # [1, W, Hq, D]
+                self.selector.observe_prompt(
+                    self.state, layer.layer_id, [row], queries, kv, layer.scaling
+                )
+            start += n
 
     def _windowed_extend(
         self, q: torch.Tensor, layer: RadixAttention, fb: ForwardBatch, plan: Any
@@ -374,18 +422,10 @@ class PrhsAttnBackend(AttentionBackend):
         k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         r2t = self.req_to_token_pool.req_to_token
-        prefix = fb.extend_prefix_lens_cpu
-        extend = fb.extend_seq_lens_cpu
-        rows = fb.req_pool_indices_cpu
-        if prefix is None or extend is None or rows is None:  # host metadata SGLang always sets
-            prefix = fb.extend_prefix_lens.tolist()
-            extend = fb.extend_seq_lens.tolist()
-            rows = fb.req_pool_indices.cpu()
         start = 0
-        for i, (p, n) in enumerate(zip(prefix, extend, strict=True)):
-            p, n = int(p), int(n)
+        for p, n, row in zip(*self._extend_rows(fb), strict=True):
             total = p + n
-            locs = r2t[int(rows[i]), :total].long()
+            locs = r2t[row, :total].long()
             kk = k_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vv = v_buf[locs].to(qv.dtype).transpose(0, 1).unsqueeze(0)
             qq = qv[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -502,6 +542,7 @@ class PrhsAttnBackend(AttentionBackend):
             "kernel_path": self.kernel_path,
             "tp_rank": self.tp_rank,
             "decode_steps": steps,
+            "prompts_observed": self.prompts_observed,
             "live_states": self.live_states,
             "retrieval_ratio": 100.0 * tot["retrievals"] / n if n else float("nan"),
             "avg_selected": tot["selected"] / n if n else float("nan"),

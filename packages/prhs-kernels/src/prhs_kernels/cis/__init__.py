@@ -95,21 +95,27 @@ def cis_decide(
 
     ``anchor_q [N, Hkv, g, D]`` float32 and ``anchor_len [N, Hkv]`` int32 are one layer's
     anchor fields (rows by state slot, strided views allowed); ``slots [B]`` picks each batch
-    row's. ``tau`` is one cosine threshold, or one per KV head (``[Hkv]`` float32 on the
-    query's device)."""
+    row's. ``tau`` is one cosine threshold, one per KV head (``[Hkv]``), or one per (slot,
+    KV head) (``[N, Hkv]``, rows by state slot like ``anchor_len``; strided views allowed),
+    float32 on the query's device."""
     b, hq, d = query.shape
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     check_shape("anchor_q", anchor_q, (anchor_len.shape[0], h, hq // h, d), "[N, Hkv, g, D]")
     check_int("n_local", n_local, minimum=0)
     if isinstance(tau, torch.Tensor):
-        check_shape("tau", tau, (h,), "[Hkv]")
+        if tau.ndim == 2:
+            check_shape("tau", tau, (anchor_len.shape[0], h), "[N, Hkv]")
+        else:
+            check_shape("tau", tau, (h,), "[Hkv]")
         if tau.dtype != torch.float32 or tau.device != query.device:
             raise ValueError(
-                f"a per-head tau must be float32 on the query's device ({query.device}), got "
+                f"a tensor tau must be float32 on the query's device ({query.device}), got "
                 f"{tau.dtype} on {tau.device}"
             )
     elif isinstance(tau, bool) or not isinstance(tau, int | float):
-        raise TypeError(f"tau must be a float or a [Hkv] tensor, got {type(tau).__name__}")
+        raise TypeError(
+            f"tau must be a float, a [Hkv] or an [N, Hkv] tensor, got {type(tau).__name__}"
+        )
     if nonfinite is not None and (
         not isinstance(nonfinite, torch.Tensor)
         or nonfinite.dtype != torch.int64

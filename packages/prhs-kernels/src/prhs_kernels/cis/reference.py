@@ -42,8 +42,8 @@ def cis_decide_reference(
     neither reuses nor retrieves. Otherwise a row reuses its anchor (row ``slots[b]`` of
     ``anchor_q [N, Hkv, g, D]`` / ``anchor_len [N, Hkv]``) iff the anchor exists, is at most
     ``n_local`` positions old, and the cosine of the group's concatenated queries with the
-    anchor's is at least ``tau`` (a float, or ``[Hkv]``: one threshold per KV head), and
-    retrieves if not."""
+    anchor's is at least ``tau`` (a float; ``[Hkv]``: one threshold per KV head; ``[N, Hkv]``:
+    one per (slot, KV head)), and retrieves if not."""
     b, hq, d = query.shape
     h = anchor_len.shape[1]
     bad = nonfinite_rows(query, h)
@@ -54,7 +54,9 @@ def cis_decide_reference(
     ta = anchor_len[slots]
     lens = seq_lens.view(-1, 1)
     reuse = (ta > 0) & (lens - ta <= n_local) & (lens >= ta)
-    thr = tau.view(1, -1) if isinstance(tau, torch.Tensor) else tau
+    thr = tau
+    if isinstance(tau, torch.Tensor):
+        thr = tau[slots] if tau.ndim == 2 else tau.view(1, -1)
     reuse &= torch.nn.functional.cosine_similarity(q, qa, dim=-1) >= thr
     return ~reuse & ~bad, bad
 

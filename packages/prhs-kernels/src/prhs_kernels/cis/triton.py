@@ -77,6 +77,8 @@ def _decide_kernel(
     stride_aq_g,
     stride_alen_n,
     stride_alen_h,
+    stride_tau_n,
+    stride_tau_h,
     tau,
     n_local,
     HKV: tl.constexpr,
@@ -85,7 +87,7 @@ def _decide_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     COUNT: tl.constexpr,
-    PER_HEAD: tl.constexpr,
+    TAU_MODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -110,9 +112,11 @@ def _decide_kernel(
     cos = tl.sum(tl.sum((q / nq) * (qa / na), 1), 0)
     ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
     seq = tl.load(LENS + b)
-    thr = tau
-    if PER_HEAD:
-        thr = tl.load(TAU + h)
+    thr = tau  # TAU_MODE 0: one threshold
+    if TAU_MODE == 1:  # one per KV head
+        thr = tl.load(TAU + h * stride_tau_h)
+    if TAU_MODE == 2:  # one per (slot, KV head)
+        thr = tl.load(TAU + slot * stride_tau_n + h * stride_tau_h)
     reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= thr)
     tl.store(RETRIEVE + pid, ((~reuse) & (~bad)).to(tl.int8))
 
@@ -544,18 +548,24 @@ def cis_decide_triton(
     g = hq // h
     retrieve = torch.empty(b, h, dtype=torch.bool, device=query.device)
     bad = torch.empty(b, h, dtype=torch.bool, device=query.device)
-    per_head = isinstance(tau, torch.Tensor)
+    tensor = isinstance(tau, torch.Tensor)
+    mode = tau.ndim if tensor else 0  # 0: a float, 1: [Hkv], 2: [N, Hkv]
+    strides = (0, 0)
+    if mode == 1:
+        strides = (0, tau.stride(0))
+    elif mode == 2:
+        strides = (tau.stride(0), tau.stride(1))
     decide, *_ = _kernels(interpreting())
     decide[(b * h,)](
         query, anchor_q, anchor_len, slots, seq_lens, bad.view(torch.int8),
         retrieve.view(torch.int8), nonfinite if nonfinite is not None else seq_lens,
-        tau.contiguous() if per_head else seq_lens,
+        tau if tensor else seq_lens,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
-        anchor_len.stride(0), anchor_len.stride(1),
-        0.0 if per_head else float(tau), n_local,
+        anchor_len.stride(0), anchor_len.stride(1), *strides,
+        0.0 if tensor else float(tau), n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
-        PER_HEAD=per_head, num_warps=4,
+        TAU_MODE=mode, num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
