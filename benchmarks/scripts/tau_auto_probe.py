@@ -2,9 +2,10 @@
 what the CPU computes.
 
 Per prompt length ``T`` (Llama-3-8B-shaped layer: Hq 32, Hkv 8, D 128, bf16 keys), one layer's
-``CIS.observe_prompt`` (32 queries replayed over a grid of 12 thresholds) is timed against the
-layer's dense causal prefill attention (SDPA, flash), the part of prefill it adds to. Then the
-GPU replay is compared with the CPU one, and the per-slot decide of the Triton path with torch's.
+``CIS.observe_prompt`` (32 queries replayed over a grid of 12 thresholds) is timed alone against
+the layer's dense causal prefill attention (SDPA, flash); then inside a prefill of 8 such layers
+(projections, attention, MLP), with and without it. Then the GPU replay is compared with the CPU
+one, and the per-slot decide of the Triton path with torch's.
 A benchmark, not a test: it asserts nothing about speed.
 
 Usage (packages' ``src`` on ``PYTHONPATH``)::
@@ -76,8 +77,8 @@ def main() -> None:
         kv = ContiguousKV(k, v, lens)
         queries = q_all[-32:].unsqueeze(0)
         calib = _bench(
-            lambda sel=sel, state=state, queries=queries, kv=kv: sel.observe_prompt(
-                state, 0, [0], queries, kv, D**-0.5
+            lambda sel=sel, state=state, queries=queries, kv=kv, n=n: sel.observe_prompt(
+                state, 0, [0], queries, kv, D**-0.5, [(0, n)]
             )
         )
         q_sdpa = q_all.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
@@ -99,6 +100,45 @@ def main() -> None:
             _emit(out, {"part": "gpu-vs-cpu", "prompt_len": n,
                         "beta_max_abs_diff": float((b_gpu.cpu() - b_cpu).abs().max()),
                         "rho_max_abs_diff": float((r_gpu.cpu() - r_cpu).abs().max())})  # fmt: skip
+
+    # A prefill of Llama-3-8B-shaped layers (attention projections, causal attention, MLP;
+    # bf16), with and without the calibration after each layer's attention: what it adds to
+    # the time to first token once the host runs ahead of the GPU.
+    hidden, inter, n_layers = 4096, 14336, 8
+    w_qkv = torch.randn(hidden, (HQ + 2 * HKV) * D, device=dev, dtype=torch.bfloat16) * 0.01
+    w_o = torch.randn(HQ * D, hidden, device=dev, dtype=torch.bfloat16) * 0.01
+    w_up = torch.randn(hidden, 2 * inter, device=dev, dtype=torch.bfloat16) * 0.01
+    w_down = torch.randn(inter, hidden, device=dev, dtype=torch.bfloat16) * 0.01
+    for n in [int(x) for x in args.lengths.split(",")][:3]:
+        sel = selectors.create("cis", budget=args.budget)
+        spec = AttentionSpec(num_layers=n_layers, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+        state = sel.init_state(spec, capacity=1, max_seq_len=n, device=dev)
+        state.pool.create([0])
+        x0 = torch.randn(n, hidden, device=dev, dtype=torch.bfloat16)
+        lens = torch.tensor([n], dtype=torch.int32, device=dev)
+
+        def prefill(calibrate: bool, x0=x0, n=n, sel=sel, state=state, lens=lens) -> None:
+            x = x0
+            for layer in range(n_layers):
+                qkv = x @ w_qkv
+                q = qkv[:, : HQ * D].view(n, HQ, D)
+                k = qkv[:, HQ * D : (HQ + HKV) * D].view(n, HKV, D).transpose(0, 1)[None]
+                v = qkv[:, (HQ + HKV) * D :].view(n, HKV, D).transpose(0, 1)[None]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True
+                )
+                if calibrate:
+                    kv = ContiguousKV(k.contiguous(), v.contiguous(), lens)
+                    sel.observe_prompt(state, layer, [0], q[-32:][None], kv, D**-0.5, [(0, n)])
+                x = x + o[0].transpose(0, 1).reshape(n, HQ * D) @ w_o
+                up, gate = (x @ w_up).chunk(2, -1)
+                x = x + (torch.nn.functional.silu(gate) * up) @ w_down
+
+        plain = _bench(lambda: prefill(False), reps=5)
+        with_cal = _bench(lambda: prefill(True), reps=5)
+        _emit(out, {"part": "prefill", "prompt_len": n, "layers": n_layers,
+                    "prefill_ms": round(plain, 2), "with_calibration_ms": round(with_cal, 2),
+                    "added": round(with_cal / plain - 1, 4)})  # fmt: skip
 
     # The per-slot decide: Triton against torch, 64 rows of 8 KV heads.
     b, n_slots = 64, 80

@@ -182,6 +182,12 @@ def test_observe_prompt_calibrates_each_slot_after_the_last_layer():
     assert torch.all(tau[1] == FALLBACK_TAU)  # not observed
     assert torch.all(state.pool["tau_rho"][2] >= 0)
     assert torch.all(state.pool["tau_rho"][0] == -1)
+    # The host's (start, length) give what reading them from kv gives.
+    sel2, state2 = _auto_cis(prompt_queries=12)
+    bounds = [(0, n_long), (n_long - n_short, n_short)]
+    for layer in range(3):
+        sel2.observe_prompt(state2, layer, [2, 0], queries, kv, 0.25, bounds)
+    assert torch.equal(state2.pool["tau"], tau)
 
 
 def test_observe_prompt_rejects_bad_input_and_changes_nothing():
@@ -197,6 +203,8 @@ def test_observe_prompt_rejects_bad_input_and_changes_nothing():
         (dict(slots=[5]), "slots must lie"),
         (dict(scaling=0.0), "positive"),
         (dict(kv=k), "ContiguousKV"),
+        (dict(bounds=[(0, 101)]), "bounds must give"),
+        (dict(bounds=[(0, 50), (0, 50)]), "bounds must give"),
     ]
     for change, message in bad:
         args = dict(layer=0, slots=[0], queries=q[None], kv=kv, scaling=0.25) | change

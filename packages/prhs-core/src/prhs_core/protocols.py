@@ -34,6 +34,7 @@ written::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -268,8 +269,11 @@ class PromptObserver(Protocol):
         queries: torch.Tensor,
         kv: ContiguousKV,
         scaling: float,
+        bounds: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """The last ``W`` queries ``[B, W, Hq, D]`` (after RoPE) of the prompts of ``slots``
         (host ints), at ``layer``, whose K/V ``kv`` holds (``B`` rows, lengths = the prompts');
-        called for every selectable layer in order, after that layer's K/V are written."""
+        called for every selectable layer in order, after that layer's K/V are written.
+        ``bounds``: each row's ``(start, length)`` in ``kv`` as host ints (hosts know them;
+        without them the selector reads them from ``kv``)."""
         ...

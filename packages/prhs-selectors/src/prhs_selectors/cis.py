@@ -26,6 +26,7 @@ the set actually read, with no assumption on the local window at anchor time.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -329,6 +330,7 @@ class CIS(BaseSelector):
         # A table goes to the device now, never inside a captured step.
         self._tau_list = self._tau_rows(n_l, h)
         self._tau_tables: dict[str, torch.Tensor] = {}
+        self._grid: dict[torch.device, torch.Tensor] = {}
         if self._tau_list is not None:
             self.layer_tau(0, state.device)
         m = self.anchor_width()
@@ -435,6 +437,7 @@ class CIS(BaseSelector):
         queries: torch.Tensor,
         kv: ContiguousKV,
         scaling: float,
+        bounds: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """``tau="auto"``: calibrate ``layer``'s thresholds on a prompt (a no-op otherwise).
 
@@ -447,7 +450,10 @@ class CIS(BaseSelector):
         (:func:`prhs_selectors.cis_calibration.choose_tau`). A prompt shorter than
         ``W + n_sink + n_local + budget + block_size`` keeps the fallback 0.72 (it drops no
         position a replay could measure). A later prompt into the same slot (the next chunk
-        of a chunked prefill) calibrates again. Prefill only: it reads lengths on the host.
+        of a chunked prefill) calibrates again. ``bounds``: each row's ``(start, length)`` in
+        ``kv`` as host ints, which the host knows; without them they are read from ``kv`` (a
+        device read, which keeps the host from running ahead of the GPU). Nothing else is read
+        on the host: the choice of thresholds stays on the device.
         """
         if not self.prompt_queries():
             return
@@ -494,12 +500,23 @@ class CIS(BaseSelector):
             raise ValueError(f"slots {idle} hold no sequence (create them first)")
 
         cfg = self.replay_config()
-        taus = torch.tensor(TAU_GRID, dtype=torch.float32, device=kv.k.device)
+        taus = self._grid.get(kv.k.device)
+        if taus is None:
+            taus = torch.tensor(TAU_GRID, dtype=torch.float32, device=kv.k.device)
+            self._grid[kv.k.device] = taus
         beta = torch.full((b, h, len(TAU_GRID)), -1.0, device=kv.k.device)  # -1: too short
         rho = torch.full_like(beta, -1.0)
-        lens = kv.seq_lens.tolist()
-        starts = kv.start.tolist() if kv.start is not None else [0] * b
-        for i, (n, st) in enumerate(zip(lens, starts, strict=True)):
+        if bounds is None:
+            starts = kv.start.tolist() if kv.start is not None else [0] * b
+            bounds = list(zip(starts, kv.seq_lens.tolist(), strict=True))
+        elif len(bounds) != b or any(
+            len(x) != 2 or x[0] < 0 or x[1] < 0 or x[0] + x[1] > kv.k.shape[2] for x in bounds
+        ):
+            raise ValueError(
+                f"bounds must give each of the {b} rows a (start, length) inside kv's "
+                f"{kv.k.shape[2]} positions, got {list(bounds)}"
+            )
+        for i, (st, n) in enumerate(bounds):
             if n < cfg.min_prompt_len(w):
                 continue
             keys = kv.k[i, :, st : st + n]

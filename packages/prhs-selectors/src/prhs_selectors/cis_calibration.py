@@ -111,7 +111,8 @@ def replay_curves(
     m = (c.budget // s) // c.n_den
     more_b = torch.zeros_like(new_b)
     if c.r > 0 and m > 0:
-        offs = torch.cat([torch.arange(1, c.r + 1), -torch.arange(1, c.r + 1)]).to(dev)
+        one_side = torch.arange(1, c.r + 1, device=dev)
+        offs = torch.cat([one_side, -one_side])
         cand = top.indices[..., :m, None] + offs  # [W, H, m, 2r]
         vis_b = (-(-ln // s)).view(w, 1, 1, 1)  # blocks holding a visible position
         ok = (top.values[..., :m, None] > NEG) & (cand >= 0) & (cand < vis_b)
@@ -174,12 +175,13 @@ def replay_curves(
     stop = torch.cat([stop, torch.ones_like(stop[..., :1])], -1)  # column w: never
     nxt = stop.to(torch.uint8).argmax(-1)  # [K, H, a]: the first stop (argmax: the first max)
     jump = torch.cat([nxt, torch.full_like(nxt[..., :1], w)], -1)  # [K, H, w + 1]
-    reach = torch.zeros(k, h, w + 1, dtype=torch.uint8, device=dev)
-    reach[..., 0] = 1
+    nodes = torch.arange(w + 1, device=dev)
+    reach = (nodes == 0).expand(k, h, -1)  # reached from step 0 in fewer than 2^i jumps
     for _ in range(math.ceil(math.log2(w + 1))):
-        reach = reach | torch.zeros_like(reach).scatter_reduce(-1, jump, reach, "amax")
+        landed = (reach.unsqueeze(-1) & (jump.unsqueeze(-1) == nodes)).any(-2)
+        reach = reach | landed
         jump = jump.gather(-1, jump)
-    retrieves = reach[..., :w].bool()  # [K, H, W]
+    retrieves = reach[..., :w]  # [K, H, W]
     reuses = later & (steps.view(1, 1, 1, -1) < nxt.unsqueeze(-1))  # [K, H, a, j]: j reuses a
     reuse_beta = (reuses * beta_reuse.permute(2, 0, 1).unsqueeze(0)).sum(-1)  # [K, H, a]
     counted = steps >= 1  # the first query has no anchor at any threshold: left out
@@ -221,7 +223,8 @@ def choose_tau(
         ok = mean <= target_rho
         return torch.where(ok.any(-1), ok.to(torch.uint8).argmax(-1), n_lam - 1), pick
 
-    coarse = torch.cat([torch.zeros(1), torch.logspace(-5, 1, steps - 1)]).to(beta.device)
+    coarse = torch.logspace(-5, 1, steps, device=beta.device)
+    coarse[0] = 0.0
     coarse = coarse.expand(beta.shape[0], -1)
     i, _ = first_ok(coarse)
     hi = coarse.gather(1, i.view(-1, 1))

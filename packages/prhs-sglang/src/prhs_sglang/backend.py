@@ -407,7 +407,7 @@ class PrhsAttnBackend(AttentionBackend):
                 )
                 queries = qv[start + n - w : start + n].unsqueeze(0)  # [1, W, Hq, D]
                 self.selector.observe_prompt(
-                    self.state, layer.layer_id, [row], queries, kv, layer.scaling
+                    self.state, layer.layer_id, [row], queries, kv, layer.scaling, [(0, total)]
                 )
             start += n
 
