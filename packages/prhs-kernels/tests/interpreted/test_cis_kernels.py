@@ -273,5 +273,10 @@ def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pa
     assert idx.shape == (6, min(k, n)) and idx.dtype == torch.int32
     assert torch.equal(idx[active], want_idx[active])
     assert torch.equal(val[active], want_val[active])
+    # Rows padded to a multiple of 16 (as the block-score pass writes them) rank the same.
+    padded = torch.full((6, -(-n // 16) * 16 + 16), 7.0)
+    padded[:, :n] = x
+    p_idx, p_val = top_blocks(padded[:, :n], k, active, path=PATH)
+    assert torch.equal(p_idx, idx) and torch.equal(p_val, val)
     if plan is not None:  # torch.topk (the fallback) ranks every row
         assert (idx[~active] == -1).all() and torch.isneginf(val[~active]).all()

@@ -50,14 +50,17 @@ TUNING = {
     "block_scores_programs_per_sm": 8,
     "block_scores_items_per_row": 64,
     "compose_warps_wide": 16,
+    "topk_sort_warps": 8,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
 at B16 with 10 % of rows retrieving: 256 positions were best at T 16k (5.1 µs against 6.1 at
 1024), 1024 at T 64k (10.8 µs against 15.3 at 256: fewer re-reads of the span statistics).
 And the warps of a compose program that sorts 2048 candidates or more (per-token CIS at budget
-1024, B16 × 8 KV heads: 30.5 µs at 4 warps, 22.8 at 8, 18.2 at 16, 18.0 at 32). Module-level
-so that a benchmark can sweep them."""
+1024, B16 × 8 KV heads: 30.5 µs at 4 warps, 22.8 at 8, 18.2 at 16, 18.0 at 32); and the fewest
+warps of the top-k's last pass, which also sorts its winners (13 of 128 rows for 1024 winners,
+whose last pass ranks 2048 candidates: rows of 16 384 in 40.2 µs at 4 warps, 35.5 at 8, 36.9
+at 16; 131 072 in 83.3, 78.1, 79.4). Module-level so that a benchmark can sweep them."""
 
 
 def _decide_kernel(
@@ -131,6 +134,7 @@ def _block_scores_kernel(
     t_max,
     n_rows,
     n_blocks,
+    stride_row,
     n_spans,
     n_sink,
     n_local,
@@ -195,14 +199,14 @@ def _block_scores_kernel(
             else:
                 best = tl.max(p, 1)  # [blocks]: its largest probability
             ok = (j < nb_seq) & (j >= sink_end) & (j < local_first)
-            out = SCORES + pid.to(tl.int64) * n_blocks + j
+            out = SCORES + pid.to(tl.int64) * stride_row + j
             tl.store(out, tl.where(ok, best, float("-inf")), mask=j < n_blocks)
         else:
             # (names differ from the scoring branch's: Triton types a name once per if/else)
             wi = w - work_a
             idle_row = tl.sum(tl.where(idle & (rank_i == wi // n_fills), offs_r, 0), 0)
             jf = (wi % n_fills) * FILL_BLOCKS + tl.arange(0, FILL_BLOCKS)
-            fill = SCORES + idle_row.to(tl.int64) * n_blocks + jf
+            fill = SCORES + idle_row.to(tl.int64) * stride_row + jf
             tl.store(fill, tl.full([FILL_BLOCKS], float("-inf"), tl.float32), mask=jf < n_blocks)
 
 
@@ -357,6 +361,7 @@ def _topk_kernel(
     OUT_VAL,
     SCRATCH,
     n,
+    stride_row,
     k,
     chunk,
     n_chunks,
@@ -388,7 +393,7 @@ def _topk_kernel(
     if tl.load(ACTIVE + row) != 0:
         offs = tl.arange(0, BLOCK)
         ok = offs < n_here
-        src = row.to(tl.int64) * n + lo_pos
+        src = row.to(tl.int64) * stride_row + lo_pos  # a stride of 16k keeps loads vectorised
         x = tl.load(SCORES + src + offs, mask=ok, other=float("-inf"))
         x = tl.where(x != x, float("-inf"), x)
         bits = x.to(tl.int32, bitcast=True)
@@ -490,7 +495,13 @@ def top_blocks_triton(
     *_, topk = _kernels(interpreting())
     # Each pass but the last keeps each chunk's top k by position (so a row's candidates stay
     # in position order and ties toward the lower id); the last sorts and reports the ids.
-    values = ids = scores.contiguous()  # ids: unread until a pass ranks candidates
+    # Rows may be padded (a row stride that is a multiple of 16 lets the loads be vectorised:
+    # retrieval_block_scores_triton pads its rows so).
+    values = scores.reshape(rows, n)
+    if n and values.stride(-1) != 1:
+        values = values.contiguous()
+    stride = values.stride(0) if n else 0
+    ids = values  # unread until a pass ranks candidates
     has_ids = False
     for length, chunk, chunks in plan:
         last = chunks == 1
@@ -499,11 +510,11 @@ def top_blocks_triton(
         scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
         block = _pow2(chunk, 16)
         topk[(rows, chunks)](
-            values, ids, flags, out_idx, out_val, scratch, length, k, chunk, chunks,
+            values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last,
-            num_warps=_topk_warps(block),
+            num_warps=_topk_warps(block, last),
         )  # fmt: skip
-        values, ids, has_ids = out_val, out_idx, True
+        values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
     return idx, val
 
 
@@ -518,10 +529,12 @@ def _kernels(interpret: bool) -> tuple[object, object, object, object]:
     )
 
 
-def _topk_warps(block: int) -> int:
+def _topk_warps(block: int, sort: bool) -> int:
     """Warps of a top-k program: at most 32 keys per thread (an H200, 13 rows of 16384 keys in
-    registers: 50 µs at 16 warps, 72 at 8; 8192 keys: 26 µs at 8, 29 at 16)."""
-    return 16 if block >= 16384 else 8 if block >= 4096 else 4
+    registers: 50 µs at 16 warps, 72 at 8; 8192 keys: 26 µs at 8, 29 at 16); at least
+    ``TUNING["topk_sort_warps"]`` for the last pass, which also sorts the winners."""
+    warps = 16 if block >= 16384 else 8 if block >= 4096 else 4
+    return max(warps, TUNING["topk_sort_warps"]) if sort else warps
 
 
 def _compose_warps(block_w: int) -> int:
@@ -589,7 +602,9 @@ def retrieval_block_scores_triton(
     logits, sm, sl, n_spans, block_g, _ = score_triton.retrieval_logits_triton(
         query, kv, scaling, active
     )
-    scores = torch.empty(b, h, nb, dtype=torch.float32, device=query.device)
+    # Rows padded to a multiple of 16 scores: the top-k's loads stay vectorised whatever nb is.
+    nb_pad = -(-nb // 16) * 16
+    scores = torch.empty(b, h, nb_pad, dtype=torch.float32, device=query.device)[..., :nb]
     positions = min(
         1024, max(256, triton.next_power_of_2(-(-t // TUNING["block_scores_items_per_row"])))
     )
@@ -600,7 +615,7 @@ def retrieval_block_scores_triton(
     _, block_scores, *_ = _kernels(interpreting())
     block_scores[(max(programs, 1),)](
         active.contiguous().view(torch.int8), kv.seq_lens, logits, sm, sl, scores,
-        t, b * h, nb, n_spans, n_sink, n_local,
+        t, b * h, nb, nb_pad, n_spans, n_sink, n_local,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         TILE_BLOCKS=_pow2(tile_blocks, 1), FILL_BLOCKS=fill_blocks,
         BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", num_warps=4,
