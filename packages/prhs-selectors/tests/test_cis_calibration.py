@@ -86,8 +86,8 @@ def test_replay_matches_a_step_by_step_reference(hold, seed):
     queries, keys = _prompt(seed, w=14, n=120)
     c = _config(hold)
     scaling = 16**-0.5
-    beta, rho = replay_curves(queries, keys, scaling, c, torch.tensor(TAU_GRID))
-    assert beta.shape == rho.shape == (2, len(TAU_GRID))
+    beta, rho, last = replay_curves(queries, keys, scaling, c, torch.tensor(TAU_GRID))
+    assert beta.shape == rho.shape == (2, len(TAU_GRID)) and last.shape == (2, c.budget)
     seen = set()
     for k, tau in enumerate(TAU_GRID):
         ref_beta, ref_rho = _reference(queries, keys, scaling, c, tau)
@@ -107,7 +107,7 @@ def test_replay_decisions_are_the_selectors(block_size):
     scaling = d**-0.5
     c = _config(True, block_size)
     tau = 0.85
-    _, rho = replay_curves(queries, keys, scaling, c, torch.tensor([tau]))
+    _, rho, _ = replay_curves(queries, keys, scaling, c, torch.tensor([tau]))
     sel = selectors.create("cis", budget=24, n_sink=3, n_local=6, block_size=block_size, tau=tau)
     spec = AttentionSpec(num_layers=1, num_q_heads=hq, num_kv_heads=h, head_dim=d)
     state = sel.init_state(spec, capacity=1, max_seq_len=n, kv_dtype=torch.float32)
@@ -257,3 +257,30 @@ def test_fixed_tau_needs_no_prompt():
     certified = selectors.create("cis", delta_max=0.1, require_cosine=False)
     assert certified.prompt_queries() == 0  # no cosine gate to calibrate
     assert math.isclose(selectors.create("cis").config.auto_target_rho, 0.28)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_the_prompts_last_query_becomes_the_anchor(block_size):
+    """After the calibration a row's anchor is what a retrieval by the prompt's last query
+    stores, so the first decode step can reuse it."""
+    n, w = 150, 12
+    queries, keys = _prompt(7, w=w, n=n)
+    kv = ContiguousKV(keys[None], keys[None], torch.tensor([n], dtype=torch.int32))
+    seeded, state = _auto_cis(prompt_queries=w, block_size=block_size)
+    for layer in range(3):
+        seeded.observe_prompt(state, layer, [1], queries[None], kv, 0.25)
+    fresh, ref = _auto_cis(tau=0.8, block_size=block_size)  # no anchor yet: it retrieves
+    plan = fresh.make_plan(ref, batch_size=1, scaling=0.25, checked=True)
+    plan.update(torch.tensor([n], dtype=torch.int32), torch.tensor([1]))
+    fresh.select(plan, 2, queries[-1:], kv, ref)
+    for field in ("anchor_q", "anchor_len", "anchor_idx", "anchor_cnt"):
+        assert torch.equal(state.pool[field][1, 2], ref.pool[field][1, 2]), field
+    assert torch.all(state.pool["anchor_len"][0] == 0)  # other slots untouched
+    # The next decode step, one token on, reuses wherever its query stays close.
+    state.pool["tau"][1] = -1.0
+    plan = seeded.make_plan(state, batch_size=1, scaling=0.25, checked=True)
+    longer = torch.cat([keys, keys[:, -1:]], 1)[None]
+    lens = torch.tensor([n + 1], dtype=torch.int32)
+    plan.update(lens, torch.tensor([1]))
+    seeded.select(plan, 2, queries[-1:], ContiguousKV(longer, longer, lens), state)
+    assert torch.all(state.pool["anchor_len"][1, 2] == n)  # reused, not retrieved

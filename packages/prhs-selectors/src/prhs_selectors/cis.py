@@ -449,11 +449,13 @@ class CIS(BaseSelector):
         the call for the last one sets each slot's thresholds from all of them
         (:func:`prhs_selectors.cis_calibration.choose_tau`). A prompt shorter than
         ``W + n_sink + n_local + budget + block_size`` keeps the fallback 0.72 (it drops no
-        position a replay could measure). A later prompt into the same slot (the next chunk
-        of a chunked prefill) calibrates again. ``bounds``: each row's ``(start, length)`` in
-        ``kv`` as host ints, which the host knows; without them they are read from ``kv`` (a
-        device read, which keeps the host from running ahead of the GPU). Nothing else is read
-        on the host: the choice of thresholds stays on the device.
+        position a replay could measure). In paper mode the prompt's last query, which the
+        replay scored against every key, also becomes each calibrated row's anchor, so the
+        first decode step may reuse its set instead of retrieving. A later prompt into the same
+        slot (the next chunk of a chunked prefill) calibrates again. ``bounds``: each row's
+        ``(start, length)`` in ``kv`` as host ints, which the host knows; without them they are
+        read from ``kv`` (a device read, which keeps the host from running ahead of the GPU).
+        Nothing else is read on the host: the choice of thresholds stays on the device.
         """
         if not self.prompt_queries():
             return
@@ -516,15 +518,26 @@ class CIS(BaseSelector):
                 f"bounds must give each of the {b} rows a (start, length) inside kv's "
                 f"{kv.k.shape[2]} positions, got {list(bounds)}"
             )
+        seeds = []  # (row, slot, last top): the prompt's last query becomes the anchor
         for i, (st, n) in enumerate(bounds):
             if n < cfg.min_prompt_len(w):
                 continue
             keys = kv.k[i, :, st : st + n]
-            beta[i], rho[i] = replay_curves(queries[i], keys, float(scaling), cfg, taus)
+            replay = replay_curves(queries[i], keys, float(scaling), cfg, taus)
+            beta[i], rho[i] = replay.beta, replay.rho
+            seeds.append((i, ids[i], n, replay.last_top))
         pool = state.pool
         idx = torch.tensor(ids, dtype=torch.long, device=pool.device)
         pool["tau_beta"][idx, layer] = beta.to(pool.device)
         pool["tau_rho"][idx, layer] = rho.to(pool.device)
+        if not self.config.certified:  # certified anchors also need δ_a and K_max: not seeded
+            g = spec.group_size
+            for i, slot, n, top in seeds:
+                q_last = queries[i, -1].float().reshape(h, g, d)
+                pool["anchor_q"][slot, layer] = q_last.to(pool.device)
+                pool["anchor_len"][slot, layer] = n
+                pool["anchor_idx"][slot, layer] = top.to(pool.device, torch.int32)
+                pool["anchor_cnt"][slot, layer] = (top >= 0).sum(-1).to(pool.device, torch.int32)
         if layer == max(spec.selectable_layers):
             n_l = spec.num_layers
             curves = [pool[f][idx].reshape(b, n_l * h, -1) for f in ("tau_beta", "tau_rho")]

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["TAU_GRID", "ReplayConfig", "choose_tau", "replay_curves"]
+__all__ = ["TAU_GRID", "Replay", "ReplayConfig", "choose_tau", "replay_curves"]
 
 #: The thresholds a calibration chooses from (1.01: always retrieve).
 TAU_GRID = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.975, 1.01)
@@ -54,6 +55,18 @@ class ReplayConfig:
         return queries + self.n_sink + self.n_local + self.budget + self.block_size
 
 
+class Replay(NamedTuple):
+    """What :func:`replay_curves` measured on one prompt."""
+
+    beta: torch.Tensor
+    """``[Hkv, K]`` float32: the mean ``β`` at each threshold."""
+    rho: torch.Tensor
+    """``[Hkv, K]`` float32: the retrieval ratio at each threshold."""
+    last_top: torch.Tensor
+    """``[Hkv, k/s]`` int64: the last query's retrieval, blocks by score, largest first (``-1``
+    past the eligible ones): the anchor a decode step can reuse."""
+
+
 def _token_mask(blocks: torch.Tensor, s: int, n: int) -> torch.Tensor:
     """``[..., NB]`` block mask to ``[..., n]`` positions."""
     return blocks if s == 1 else blocks.repeat_interleave(s, dim=-1)[..., :n]
@@ -72,9 +85,9 @@ def replay_curves(
     scaling: float,
     config: ReplayConfig,
     taus: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(beta, rho)``, ``[Hkv, K]`` float32 each: the mean ``β`` and the retrieval ratio of
-    CIS at each threshold of ``taus [K]``, replayed over one prompt's last ``W`` queries.
+) -> Replay:
+    """The mean ``β`` and the retrieval ratio of CIS at each threshold of ``taus [K]``,
+    replayed over one prompt's last ``W`` queries, and the last query's retrieval.
 
     ``queries [W, Hq, D]`` are the queries (after RoPE) of positions ``n − W .. n − 1`` of a
     prompt whose keys are ``keys [Hkv, n, D]``; query ``i`` sees positions ``< n − W + i + 1``.
@@ -187,7 +200,14 @@ def replay_curves(
     counted = steps >= 1  # the first query has no anchor at any threshold: left out
     beta_sum = (retrieves * (reuse_beta + beta_ret.t().unsqueeze(0) * counted)).sum(-1)
     ret_sum = (retrieves & counted).sum(-1)
-    return (beta_sum / (w - 1)).t().contiguous(), (ret_sum.float() / (w - 1)).t().contiguous()
+    m_width = c.budget // s
+    last = torch.where(top.values[-1] > NEG, top.indices[-1], -1)
+    last = torch.nn.functional.pad(last, (0, m_width - last.shape[-1]), value=-1)
+    return Replay(
+        (beta_sum / (w - 1)).t().contiguous(),
+        (ret_sum.float() / (w - 1)).t().contiguous(),
+        last,
+    )
 
 
 def choose_tau(
