@@ -155,7 +155,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
         "--sparse-attn",
         "prhs",
         "--sparse-config",
-        json.dumps({"budget": 1024, "use_psaw": False, "log_interval": 0}),
+        json.dumps({"budget": 1024, "use_psaw": False, "log_interval": 0, "tau": "auto"}),
         *CHUNKS,
         "--max-total-tokens",
         "8192",

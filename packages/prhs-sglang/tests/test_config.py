@@ -21,13 +21,23 @@ from prhs_sglang.support import check_model
 def test_resolve_splits_plugin_options_from_selector_options():
     cfg = resolve("cis", '{"budget": 128, "log_interval": 8, "checked": true}')
     assert cfg.selector == "cis"
-    assert dict(cfg.options) == {"budget": 128}
+    assert dict(cfg.options) == {"budget": 128, "tau": 0.72}  # tau: the SGLang default
     assert (cfg.log_interval, cfg.checked, cfg.stats, cfg.dense_backend) == (8, True, True, None)
     assert cfg.build().config.budget == 128
 
 
 def test_default_selector_is_prhs():
     assert resolve(None).selector == "prhs"
+
+
+def test_cis_threshold_is_fixed_unless_auto_is_asked_for():
+    """Under SGLang a calibrated threshold would depend on how a prompt was chunked or cached:
+    the default is 0.72, and tau="auto" is opt-in."""
+    assert resolve("prhs", '{"budget": 64}').build().config.tau == 0.72
+    assert resolve("cis", None).build().prompt_queries() == 0
+    auto = resolve("cis", '{"tau": "auto"}').build()
+    assert auto.config.tau == "auto" and auto.prompt_queries() == 32
+    assert "tau" not in resolve("quest", None).options
 
 
 def test_env_round_trip():

@@ -54,6 +54,9 @@ def test_full_budget_greedy_equals_torch_native(servers, tokenizer, passkey):
         report = sparse.prhs()
         assert report["selector"] == "prhs"
         assert report["decode_steps"] > 0
+        # tau="auto" (opted in): every request's extends were shown to the selector (the
+        # prompts are too short to calibrate on, so nothing else changes).
+        assert report["prompts_observed"] >= len(prompts)
         # Every selected position is every cached one.
         assert report["avg_selected"] == pytest.approx(report["avg_cached"], rel=0.05)
         assert "CUDA graphs disabled" in sparse.log_text()
@@ -77,7 +80,6 @@ def test_small_budget_finds_passkey_and_reports_statistics(small, passkey):
     assert _key_of(out["text"]) == "71432", out["text"]
     report = small.prhs()
     assert report["decode_steps"] >= NEW_TOKENS - 1
-    assert report["prompts_observed"] >= 1  # CIS's tau="auto" calibrated on the prompt
     assert report["retrieval_ratio"] is not None and 0.0 <= report["retrieval_ratio"] <= 100.0
     # 64 positions (+ sink and local windows) of ~2000 cached ones.
     assert report["avg_selected"] < report["avg_cached"] / 4

@@ -138,6 +138,10 @@ def _plugin_option(options: dict[str, Any], key: str, kind: type, default: Any) 
     return value
 
 
+SGLANG_DEFAULT_TAU = 0.72
+"""CIS's threshold under SGLang when ``--sparse-config`` gives none (see :func:`resolve`)."""
+
+
 def resolve(
     selector: str | None, config: str | Mapping[str, Any] | None = None
 ) -> SparseAttnConfig:
@@ -157,6 +161,12 @@ def resolve(
     dense_backend = _plugin_option(options, "dense_backend", str, None)
     if dense_backend == "prhs":
         raise SparseConfigError("--sparse-config dense_backend cannot be 'prhs' itself")
+    fields = getattr(selectors.get(name).config, "__dataclass_fields__", {})
+    if "tau" in fields and "tau" not in options:
+        # tau="auto" calibrates on each extend's last queries; under chunked prefill and the
+        # radix cache those depend on how a prompt was split, so a request's output would
+        # depend on its batch. A fixed threshold keeps them independent; "auto" is opt-in.
+        options["tau"] = SGLANG_DEFAULT_TAU
     try:
         selectors.create(name, **options)
     except (TypeError, ValueError) as e:
