@@ -199,7 +199,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         sel = selectors.create("prhs", budget=budget, use_psaw=False)
         state = sel.init_state(spec, capacity=b, max_seq_len=t_cap, kv_dtype=dtype, device=dev)
         state.pool.create(list(range(b)))
-        plan = sel.make_plan(state, batch_size=b, scaling=scaling, checked=not cuda)
+        plan = sel.make_plan(state, batch_size=b, scaling=scaling, stats=True, checked=not cuda)
         return sel, state, plan
 
     runs = {"prhs-full": make(t_cap), "prhs": make(args.budget)}
@@ -269,6 +269,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         if snapshot is not None:
             for f, t in snapshot.items():
                 runs[name][1].pool[f].copy_(t)
+            runs[name][2].totals.zero_()  # the warm-up step is not counted
         tokens = []
         host_lens = n + 1
         if cuda:
@@ -296,6 +297,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             "ms_per_step": round(1e3 * sec / steps, 3),
         }
         forced[name] = torch.stack(tokens, 1).cpu()
+        if name in runs:  # this rank's decisions (its KV heads)
+            out[name]["retrieval_ratio"] = round(runs[name][2].summary()["retrieval_ratio"], 2)
     same = forced["prhs-full"].eq(forced["dense"])
     first_diff = [int((~r).nonzero()[0]) if (~r).any() else steps for r in same]
 
