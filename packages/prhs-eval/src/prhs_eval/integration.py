@@ -214,7 +214,6 @@ class PrhsRuntime:
         self._row_mask: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prompt_rows: list[tuple[int, int]] | None = None
-        self._host_rows: list[tuple[int, int]] | None = None
         self.enabled = False
 
     # -- install / remove -------------------------------------------------------------------
@@ -352,7 +351,6 @@ class PrhsRuntime:
         self._fresh_prefill = past is None or past.get_seq_length() == 0
         self._rows = None
         self._prompt_rows = None
-        self._host_rows = None
         mask = kwargs.get("attention_mask")
         self._row_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 
@@ -419,11 +417,11 @@ class PrhsRuntime:
                 self._write_kv(held, layer, kv, self._all_positions(kv))
                 w = min(self._prompt_queries, tq)
                 if w >= 2:
-                    if self._host_rows is None:  # once per forward (a host read)
-                        self._host_rows = list(zip(start.tolist(), lens.tolist(), strict=True))
+                    if self._prompt_rows is None:  # once per forward (a host read)
+                        self._prompt_rows = list(zip(start.tolist(), lens.tolist(), strict=True))
                     self.selector.observe_prompt(  # type: ignore[attr-defined]
                         held.state, layer, list(range(b)), query[:, :, -w:].transpose(1, 2),
-                        kv, scale, self._host_rows,
+                        kv, scale, self._prompt_rows,
                     )  # fmt: skip
             mask = attention_mask
             if self._planner is not None and self._fresh_prefill and tq == tk:

@@ -161,8 +161,7 @@ def resolve(
     dense_backend = _plugin_option(options, "dense_backend", str, None)
     if dense_backend == "prhs":
         raise SparseConfigError("--sparse-config dense_backend cannot be 'prhs' itself")
-    fields = getattr(selectors.get(name).config, "__dataclass_fields__", {})
-    if "tau" in fields and "tau" not in options:
+    if "tau" in selectors.get(name).defaults() and "tau" not in options:
         # tau="auto" calibrates on each extend's last queries; under chunked prefill and the
         # radix cache those depend on how a prompt was split, so a request's output would
         # depend on its batch. A fixed threshold keeps them independent; "auto" is opt-in.
