@@ -12,17 +12,29 @@ One run, per ``--tp``:
 
 1. prefill ``--batch`` random prompts of ``--context`` tokens (dense causal attention); the
    ``prhs`` selector observes each layer's last prompt queries (``tau="auto"``);
-2. decode ``--steps`` greedy tokens three times from the same prompt cache, each step one CUDA
-   graph (every layer, the all-reduces included): dense attention (prhs-kernels' dense decode
-   kernel, 0.99× cuDNN on the H200), prhs with a budget covering every position, and prhs at
-   ``--budget``; tokens/s of each, and whether the full-budget tokens equal dense's;
+2. decode ``--steps`` greedy tokens once per run of ``--runs`` from the same prompt cache, each
+   step one CUDA graph (every layer, the all-reduces included; ``--eager`` runs without graphs):
+
+   - ``dense``: dense attention (prhs-kernels' dense decode kernel, 0.99× cuDNN on the H200);
+   - ``prhs-full``: prhs with a budget covering every position (its tokens must equal dense's);
+   - ``prhs``: prhs at ``--budget`` with its defaults (``tau="auto"``);
+   - ``prhs-reuse``, ``prhs-2layers``, ``prhs-retrieve``: prhs at ``--budget`` with the
+     retrieval ratio forced, since consecutive queries of a random model are not alike the way a
+     real model's are: ``tau=-1`` (reuse whenever the anchor is young: one retrieval per
+     decision's run, ρ̂ ≈ 1/steps), two layers of 32 that retrieve at every step and the rest
+     reusing (ρ̂ ≈ 9 %), every decision retrieving (ρ̂ = 100 %);
+
+   tokens/s of each, its measured ρ̂ (over both ranks), and whether the full-budget tokens equal
+   dense's;
 3. teacher-forced on dense's tokens, how often the full-budget prhs step picks the same token and
-   how far its logits are (bf16 kernels that add in another order can flip a near tie).
+   how far its logits are (bf16 kernels that add in another order can flip a near tie; in
+   ``--dtype float32`` they should not).
 
 Usage (packages' ``src`` on ``PYTHONPATH``)::
 
     python benchmarks/scripts/tp_decode.py --tp 2 --out tp2.jsonl
     python benchmarks/scripts/tp_decode.py --tp 1 --out tp1.jsonl
+    python benchmarks/scripts/tp_decode.py --tp 2 --dtype float32 --eager --runs dense,prhs-full
     python benchmarks/scripts/tp_decode.py --tp 2 --device cpu --tiny   # a check on the CPU
 """
 
@@ -33,6 +45,7 @@ import hashlib
 import json
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -140,9 +153,10 @@ class Rank:
                 q, k = self.rope(q, pos), self.rope(k, pos)
                 self.k[layer][b, :, :n] = k.transpose(0, 1)
                 self.v[layer][b, :, :n] = v.transpose(0, 1)
+                g = self.hq // self.hkv  # K/V expanded: float32 SDPA has no GQA flash path
                 o = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                    is_causal=True, enable_gqa=True,
+                    q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(g, 0)[None],
+                    v.transpose(0, 1).repeat_interleave(g, 0)[None], is_causal=True,
                 )[0]  # fmt: skip
                 if observe is not None:
                     observe(layer, b, q)
@@ -185,7 +199,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         torch.cuda.set_device(dev)
     torch.set_grad_enabled(False)
     s = TINY if args.tiny else Shape()
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, args.dtype) if cuda else torch.float32
     b, n, steps = args.batch, args.context, args.steps
     t_cap = n + steps + 1
     model = Rank(s, tp, rank, b, t_cap, dev, dtype)
@@ -195,15 +209,27 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         0, s.vocab, (b, n), generator=torch.Generator().manual_seed(7)
     ).to(dev)  # fmt: skip
 
-    def make(budget: int):
-        sel = selectors.create("prhs", budget=budget, use_psaw=False)
+    every = [[1.01]] * s.layers
+    always = (s.layers // 4, 3 * s.layers // 4)  # the two layers that retrieve at every step
+    two = [[1.01] if layer in always else [-1.0] for layer in range(s.layers)]
+    taus = {"prhs-full": "auto", "prhs": "auto", "prhs-reuse": -1.0, "prhs-2layers": two,
+            "prhs-retrieve": every}  # fmt: skip
+    names = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(names) - set(taus) - {"dense"})
+    if unknown or not names:
+        raise SystemExit(f"--runs: unknown {unknown}; expected some of dense, {', '.join(taus)}")
+
+    def make(budget: int, tau: Any):
+        sel = selectors.create("prhs", budget=budget, use_psaw=False, tau=tau)
         state = sel.init_state(spec, capacity=b, max_seq_len=t_cap, kv_dtype=dtype, device=dev)
         state.pool.create(list(range(b)))
         plan = sel.make_plan(state, batch_size=b, scaling=scaling, stats=True, checked=not cuda)
         return sel, state, plan
 
-    runs = {"prhs-full": make(t_cap), "prhs": make(args.budget)}
-    w = runs["prhs"][0].prompt_queries()
+    runs = {
+        name: make(t_cap if name == "prhs-full" else args.budget, taus[name])
+        for name in names if name != "dense"
+    }  # fmt: skip
 
     def observe(layer: int, row: int, q: torch.Tensor) -> None:
         kv = ContiguousKV(
@@ -211,7 +237,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             torch.full((1,), n, dtype=torch.int32, device=dev),
         )  # fmt: skip
         for sel, state, _ in runs.values():
-            sel.observe_prompt(state, layer, [row], q[-w:][None], kv, scaling, [(0, n)])
+            w = sel.prompt_queries()
+            if w:
+                sel.observe_prompt(state, layer, [row], q[-w:][None], kv, scaling, [(0, n)])
 
     t0 = time.perf_counter()
     model.prefill(ids, observe)
@@ -234,11 +262,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
         return attend
 
-    attends = {"dense": dense_attend, "prhs-full": prhs_attend("prhs-full"),
-               "prhs": prhs_attend("prhs")}  # fmt: skip
+    attends = {name: dense_attend if name == "dense" else prhs_attend(name) for name in names}
     slots = torch.arange(b)
     out: dict[str, Any] = {}
     forced: dict[str, torch.Tensor] = {}
+    graphs: list[Any] = []
     for name, attend in attends.items():
         tok = first.clone()
         lens = torch.full((b,), n + 1, dtype=torch.int32, device=dev)
@@ -253,7 +281,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         def one(tok=tok, lens=lens, attend=attend, plan=plan):
             return model.step(tok, plan.seq_lens if plan is not None else lens, attend)
 
-        if cuda:
+        if cuda and not args.eager:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -263,6 +291,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             with torch.cuda.graph(graph):
                 logits = one()
             run = graph.replay
+            graphs.append(graph)
         else:
             logits = None
             run = None
@@ -297,13 +326,58 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             "ms_per_step": round(1e3 * sec / steps, 3),
         }
         forced[name] = torch.stack(tokens, 1).cpu()
-        if name in runs:  # this rank's decisions (its KV heads)
-            out[name]["retrieval_ratio"] = round(runs[name][2].summary()["retrieval_ratio"], 2)
+        if name in runs:  # every rank's decisions (each rank decides for its own KV heads)
+            rho = torch.tensor([runs[name][2].summary()["retrieval_ratio"]], device=dev)
+            if tp > 1:
+                dist.all_reduce(rho)
+            out[name]["retrieval_ratio"] = round(float(rho) / tp, 4)
+    if rank == 0:
+        row = {
+            "tp": tp, "batch": b, "context": n, "steps": steps, "budget": args.budget,
+            "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": cuda and not args.eager,
+            "shape": s.__dict__, "prefill_s": round(prefill_s, 2), **out,
+            "dense_tokens_sha256": _digest(forced.get("dense")),
+            "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%F %T"),
+        }  # fmt: skip
+        if "dense" in forced and "prhs-full" in forced:
+            row.update(_equality(model, runs, forced, first, n, steps, slots, dev, attends))
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+    elif "dense" in forced and "prhs-full" in forced:
+        _equality(model, runs, forced, first, n, steps, slots, dev, attends)  # the same collectives
+    graphs.clear()
+    if tp > 1:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        # The first run hung here (NCCL teardown after CUDA graphs that captured all-reduces):
+        # give it a minute, then leave without it; the rows are written.
+        done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        done.start()
+        done.join(60)
+        if done.is_alive():
+            print(f"rank {rank}: destroy_process_group did not return in 60 s", flush=True)
+            os._exit(0)
+
+
+def _digest(tokens: torch.Tensor | None) -> str | None:
+    if tokens is None:
+        return None
+    return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16]
+
+
+def _equality(model, runs, forced, first, n, steps, slots, dev, attends) -> dict[str, Any]:
+    """Full-budget prhs against dense: free-running greedy tokens, then teacher-forced."""
+    b = first.shape[0]
     same = forced["prhs-full"].eq(forced["dense"])
     first_diff = [int((~r).nonzero()[0]) if (~r).any() else steps for r in same]
 
     # Teacher-forced on dense's tokens: does the full-budget step pick the same next token?
     agree, worst = [], 0.0
+    dense_attend = attends["dense"]
     runs["prhs-full"][1].pool.release(list(range(b)))
     runs["prhs-full"][1].pool.create(list(range(b)))
     plan_f = runs["prhs-full"][2]
@@ -316,26 +390,13 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         ld = model.step(feed[:, i], lens, dense_attend).float()
         agree.append(float((lf.argmax(-1) == ld.argmax(-1)).float().mean()))
         worst = max(worst, float((lf - ld).abs().max() / ld.abs().max()))
-    if rank == 0:
-        digest = hashlib.sha256(forced["dense"].numpy().tobytes()).hexdigest()[:16]
-        row = {
-            "tp": tp, "batch": b, "context": n, "steps": steps, "budget": args.budget,
-            "shape": s.__dict__, "prefill_s": round(prefill_s, 2), **out,
-            "dense_tokens_sha256": digest,
-            "full_budget_tokens_equal": bool(same.all()),
-            "full_budget_first_difference": first_diff,
-            "teacher_forced_argmax_agreement": round(sum(agree) / len(agree), 4),
-            "teacher_forced_max_rel_logit_diff": round(worst, 5),
-            "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
-            "python": platform.python_version(), "date": time.strftime("%F %T"),
-        }  # fmt: skip
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-    if tp > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    return {
+        "full_budget_tokens_sha256": _digest(forced["prhs-full"]),
+        "full_budget_tokens_equal": bool(same.all()),
+        "full_budget_first_difference": first_diff,
+        "teacher_forced_argmax_agreement": round(sum(agree) / len(agree), 4),
+        "teacher_forced_max_rel_logit_diff": round(worst, 8),
+    }
 
 
 def main() -> None:
@@ -346,6 +407,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="weights, activations and KV cache on CUDA (the CPU runs float32)",
+    )
+    ap.add_argument(
+        "--runs",
+        default="dense,prhs-full,prhs,prhs-reuse,prhs-2layers,prhs-retrieve",
+        help="comma-separated decode runs (see the module docstring)",
+    )
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--tiny", action="store_true", help="a small model (a check, not a figure)")
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--out")
