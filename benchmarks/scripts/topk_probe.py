@@ -1,7 +1,7 @@
 """The CIS step's top-k and compose kernels on a GPU, alone, over their launch parameters:
-the top-k's one-pass limit and first-pass chunk, the compose's warps. Rows are B·Hkv = 128, a
-share of them active; each result is checked against ``torch.topk`` (values, index sets). A
-benchmark: prints JSON lines; times are CUDA-graph replays (median of
+the top-k's one-pass limit, first-pass chunk and search bits a round, the compose's warps.
+Rows are B·Hkv = 128, a share of them active; each result is checked against ``torch.topk``
+(values, index sets). A benchmark: prints JSON lines; times are CUDA-graph replays (median of
 ``triton.testing.do_bench``).
 
     python benchmarks/scripts/topk_probe.py --out topk.jsonl
@@ -35,13 +35,17 @@ def scores(n: int, frac: float, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return x, act[torch.randperm(ROWS, generator=gen, device="cuda")]
 
 
-def topk(out: Any, cases: list[tuple[int, int]], fracs: list[float]) -> None:
+def topk(
+    out: Any, cases: list[tuple[int, int]], fracs: list[float], bits: list[int], plans: bool
+) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), frac in itertools.product(cases, fracs):
-        topk_case(out, n, k, frac, gen)
+        topk_case(out, n, k, frac, gen, bits, plans)
 
 
-def topk_case(out: Any, n: int, k: int, frac: float, gen: torch.Generator) -> None:
+def topk_case(
+    out: Any, n: int, k: int, frac: float, gen: torch.Generator, bits: list[int], plans: bool
+) -> None:
     from prhs_kernels.cis import top_blocks
     from prhs_kernels.cis import triton as ct
 
@@ -52,8 +56,9 @@ def topk_case(out: Any, n: int, k: int, frac: float, gen: torch.Generator) -> No
     emit(out, {**base, "op": "torch.topk (all rows)",
                "ms": kb.graph_ms(lambda: torch.topk(x, k, dim=-1))})  # fmt: skip
 
-    def run(one_pass: int, chunk: int) -> None:
+    def run(one_pass: int, chunk: int, radix_bits: int) -> None:
         ct.TOPK_ONE_PASS, ct.TOPK_CHUNK = one_pass, chunk
+        ct.TUNING["topk_radix_bits"] = radix_bits
         plan = ct._topk_plan(n, k)
         if plan is None:
             return
@@ -61,16 +66,20 @@ def topk_case(out: Any, n: int, k: int, frac: float, gen: torch.Generator) -> No
         same = torch.equal(idx[act].sort(-1).values, ref.indices[act].int().sort(-1).values)
         ms = kb.graph_ms(lambda: top_blocks(x, k, act, path="triton"))
         emit(out, {**base, "op": "top_blocks", "one_pass": one_pass, "chunk": chunk,
-                   "plan": list(plan), "ms": ms,
+                   "radix_bits": radix_bits, "plan": list(plan), "ms": ms,
                    "sets_equal": same,
                    "values_equal": torch.equal(val[act], ref.values[act])})  # fmt: skip
 
-    # The shipped plan, then other one-pass limits and chunks for long rows.
-    run(saved[0], saved[1])
-    if n > 8192:
+    # The shipped plan at each search width, then other one-pass limits and chunks.
+    shipped = ct.TUNING["topk_radix_bits"]
+    for radix_bits in bits:
+        run(saved[0], saved[1], radix_bits)
+    if n > 8192 and plans:
         for o, c in ((8192, 2048), (8192, 4096), (16384, 8192)):
-            run(o, c)
+            for radix_bits in bits:
+                run(o, c, radix_bits)
     ct.TOPK_ONE_PASS, ct.TOPK_CHUNK = saved
+    ct.TUNING["topk_radix_bits"] = shipped
 
 
 def compose(out: Any, fracs: list[float]) -> None:
@@ -121,6 +130,22 @@ def compose_case(out: Any, frac: float, gen: torch.Generator) -> None:
     ct.TUNING.update(saved)
 
 
+def steps(out: Any, shapes: list[tuple[int, int, int]], bits: list[int], rho: float) -> None:
+    """The whole per-token CIS step (kernels.py's step rows: budget 1024, block_size 1, ``rho``
+    of the query groups jumping each step) at each search width of the top-k."""
+    from prhs_kernels.cis import triton as ct
+
+    bw = kb.copy_bandwidth()
+    shipped = ct.TUNING["topk_radix_bits"]
+    for (b, t, hkv), radix_bits in itertools.product(shapes, bits):
+        ct.TUNING["topk_radix_bits"] = radix_bits
+        r = kb.step_bench("cis", b, t, hkv, 1024, rho, bw)
+        emit(out, {"op": "cis step", "B": b, "T": t, "Hkv": hkv, "rho": rho,
+                   "radix_bits": radix_bits, **r})  # fmt: skip
+        torch.cuda.empty_cache()
+    ct.TUNING["topk_radix_bits"] = shipped
+
+
 def emit(out: Any, row: dict[str, Any]) -> None:
     line = json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()})
     print(line, flush=True)
@@ -134,14 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     cases = "16384x1024,16396x1024,65536x1024,65548x1024,8192x128,2048x128"
     p.add_argument("--cases", default=cases, help="NxK, comma separated")
     p.add_argument("--active", default="0.1,0.03")
+    p.add_argument("--bits", default="1,2,4", help="search bits a round (TUNING topk_radix_bits)")
+    p.add_argument("--no-compose", action="store_true")
+    p.add_argument("--no-plans", action="store_true", help="only the shipped chunking")
+    p.add_argument("--steps", default="", help="BxTkxHkv shapes of whole-step rows, e.g. 16x16x8")
+    p.add_argument("--rho", type=float, default=0.10, help="the whole-step rows' jump ratio")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
     fracs = [float(f) for f in a.active.split(",")]
     with open(a.out, "w", encoding="utf-8") if a.out else open(os.devnull, "w") as out:
         emit(out, {"part": "machine", **kb.machine()})
-        compose(out, fracs)
-        topk(out, cases, fracs)  # type: ignore[arg-type]
+        if not a.no_compose:
+            compose(out, fracs)
+        bits = [int(b) for b in a.bits.split(",")]
+        topk(out, cases, fracs, bits, not a.no_plans)  # type: ignore[arg-type]
+        shapes = [tuple(int(v) for v in x.split("x")) for x in a.steps.split(",") if x]
+        shapes = [(b, t * 1024, h) for b, t, h in shapes]
+        steps(out, shapes, bits, a.rho)  # type: ignore[arg-type]
     return 0
 
 

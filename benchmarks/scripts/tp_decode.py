@@ -16,6 +16,7 @@ One run, per ``--tp``:
    step one CUDA graph (every layer, the all-reduces included; ``--eager`` runs without graphs):
 
    - ``dense``: dense attention (prhs-kernels' dense decode kernel, 0.99× cuDNN on the H200);
+   - ``none``: no attention at all (the query passed on): the time of the rest of the step;
    - ``prhs-full``: prhs with a budget covering every position (its tokens must equal dense's);
    - ``prhs``: prhs at ``--budget`` with its defaults (``tau="auto"``);
    - ``prhs-reuse``, ``prhs-2layers``, ``prhs-retrieve``: prhs at ``--budget`` with the
@@ -215,9 +216,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     taus = {"prhs-full": "auto", "prhs": "auto", "prhs-reuse": -1.0, "prhs-2layers": two,
             "prhs-retrieve": every}  # fmt: skip
     names = [r for r in args.runs.split(",") if r]
-    unknown = sorted(set(names) - set(taus) - {"dense"})
+    unknown = sorted(set(names) - set(taus) - {"dense", "none"})
     if unknown or not names:
-        raise SystemExit(f"--runs: unknown {unknown}; expected some of dense, {', '.join(taus)}")
+        raise SystemExit(
+            f"--runs: unknown {unknown}; expected some of dense, none, {', '.join(taus)}"
+        )
 
     def make(budget: int, tau: Any):
         sel = selectors.create("prhs", budget=budget, use_psaw=False, tau=tau)
@@ -228,7 +231,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
     runs = {
         name: make(t_cap if name == "prhs-full" else args.budget, taus[name])
-        for name in names if name != "dense"
+        for name in names if name not in ("dense", "none")
     }  # fmt: skip
 
     def observe(layer: int, row: int, q: torch.Tensor) -> None:
@@ -262,7 +265,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
         return attend
 
-    attends = {name: dense_attend if name == "dense" else prhs_attend(name) for name in names}
+    def no_attend(layer, q, lens):  # the step without attention: what the rest costs
+        return q
+
+    fixed = {"dense": dense_attend, "none": no_attend}
+    attends = {name: fixed[name] if name in fixed else prhs_attend(name) for name in names}
     slots = torch.arange(b)
     out: dict[str, Any] = {}
     forced: dict[str, torch.Tensor] = {}

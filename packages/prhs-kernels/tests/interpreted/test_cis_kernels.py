@@ -243,7 +243,9 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold)
         (600, 300, 64, 0),  # 2k > 512 registers: torch.topk
     ],
 )
-def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass, passes):
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_top_blocks_of_active_rows_match_the_reference(monkeypatch, n, k, one_pass, passes, bits):
+    monkeypatch.setitem(cis_triton.TUNING, "topk_radix_bits", bits)  # bits a search round
     if one_pass is not None:
         monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", one_pass)
         monkeypatch.setattr(cis_triton, "TOPK_CHUNK", one_pass)

@@ -51,6 +51,7 @@ TUNING = {
     "block_scores_items_per_row": 64,
     "compose_warps_wide": 16,
     "topk_sort_warps": 8,
+    "topk_radix_bits": 1,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
@@ -369,6 +370,8 @@ def _topk_kernel(
     BLOCK_K: tl.constexpr,
     HAS_IDX: tl.constexpr,
     SORT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Top ``k`` of one chunk of ``chunk`` scores of a row of ``n`` (NaN as ``-inf``; ties:
     lower index first), for an active row; an inactive row gets ``-1`` / ``-inf``. Program
@@ -377,10 +380,10 @@ def _topk_kernel(
     whose ids are in ``IDX_IN`` (a second pass over the first's chunk winners, which come in
     position order, so lower lanes are lower ids).
 
-    The chunk sits in registers; its ``k``-th largest key is found by bisection over the 32-bit
-    order-preserving integer image of the floats, then the ``k`` entries are compacted, and
-    sorted, largest first, if ``SORT`` (else they stay in position order: a first pass's
-    winners need no order, and sorting them cost more than the search)."""
+    The chunk sits in registers; its ``k``-th largest key is found by a search over the 32-bit
+    order-preserving integer image of the floats, ``RADIX_BITS`` bits a round, then the ``k``
+    entries are compacted, and sorted, largest first, if ``SORT`` (else they stay in position
+    order: a first pass's winners need no order, and sorting them cost more than the search)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     lo_pos = c * chunk
@@ -401,11 +404,19 @@ def _topk_kernel(
         key = tl.where(ok, key, -2147483648)
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):  # the largest t with #{key >= t} >= k_here
-            mid = lo + (hi - lo + 1) // 2  # in int64; the keys compare in int32 (5-9 % faster)
-            enough = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= k_here
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+        # The largest t with #{key >= t} >= k_here, RADIX_BITS bits a round: each round counts
+        # the keys at or above 2^RADIX_BITS thresholds cutting [lo, hi] into equal parts in one
+        # reduction, and keeps the part holding t (fewer dependent reductions than a bisection,
+        # which is what bounds a program that holds its whole chunk: the rows are few).
+        offs_r = tl.arange(0, RADIX)
+        for _ in range(32 // RADIX_BITS):
+            cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+            # The keys compare in int32 (5-9 % faster than int64).
+            cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
+            j = tl.sum((cnt >= k_here).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
+            nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
+            hi = tl.where(j == RADIX - 1, hi, nxt - 1)
+            lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
         thr = lo.to(tl.int32)
         greater = ok & (key > thr)
         tie = ok & (key == thr)
@@ -493,6 +504,9 @@ def top_blocks_triton(
     val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
     block_k = _pow2(k, 2)
     *_, topk = _kernels(interpreting())
+    bits = TUNING["topk_radix_bits"]
+    if bits not in (1, 2, 4):
+        raise ValueError(f'TUNING["topk_radix_bits"] must be 1, 2 or 4, got {bits!r}')
     # Each pass but the last keeps each chunk's top k by position (so a row's candidates stay
     # in position order and ties toward the lower id); the last sorts and reports the ids.
     # Rows may be padded (a row stride that is a multiple of 16 lets the loads be vectorised:
@@ -512,7 +526,7 @@ def top_blocks_triton(
         topk[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last,
-            num_warps=_topk_warps(block, last),
+            RADIX_BITS=bits, RADIX=1 << bits, num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
     return idx, val
