@@ -51,7 +51,7 @@ TUNING = {
     "block_scores_items_per_row": 64,
     "compose_warps_wide": 16,
     "topk_sort_warps": 8,
-    "topk_radix_bits": 1,
+    "topk_radix_bits": 2,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
@@ -61,7 +61,11 @@ And the warps of a compose program that sorts 2048 candidates or more (per-token
 1024, B16 × 8 KV heads: 30.5 µs at 4 warps, 22.8 at 8, 18.2 at 16, 18.0 at 32); and the fewest
 warps of the top-k's last pass, which also sorts its winners (13 of 128 rows for 1024 winners,
 whose last pass ranks 2048 candidates: rows of 16 384 in 40.2 µs at 4 warps, 35.5 at 8, 36.9
-at 16; 131 072 in 83.3, 78.1, 79.4). Module-level so that a benchmark can sweep them."""
+at 16; 131 072 in 83.3, 78.1, 79.4). And the bits the top-k's search for the ``k``-th key
+resolves a round (1, 2 or 4: 32, 16 or 8 block-wide reductions); the same 13 rows, in µs at
+1 / 2 / 4 bits: 16 384 positions 54.3 / 47.8 / 160, 65 536 73.5 / 70.5 / 402, 131 072 117 /
+106 / 520 (4 bits hold 16 counts per key in registers, and spill). Module-level so that a
+benchmark can sweep them."""
 
 
 def _decide_kernel(
