@@ -231,3 +231,33 @@ def test_evaluate_logs_refuses_to_overwrite_and_resumes(tiny, tmp_path, monkeypa
     table = first.split("\n\n", 1)[1]
     assert again.split("\n\n", 2)[2].startswith(table.split(report.TABLE_LEGEND)[0])
     assert len((tmp_path / "out" / LOG_NAME).read_text().splitlines()) == 2  # nothing rerun
+
+
+def test_a_selector_that_calibrates_on_the_prompt_prefills_for_itself(tiny, monkeypatch):
+    """CIS's ``tau="auto"`` observes the prompt's queries at prefill: it must not be handed the
+    dense prefill made before it was attached (its calibration would silently not happen)."""
+    from prhs_selectors.cis import CIS
+
+    seen = []
+    observe = CIS.observe_prompt
+
+    def counting(self, *args, **kwargs):
+        seen.append(self.config.tau)
+        return observe(self, *args, **kwargs)
+
+    monkeypatch.setattr(CIS, "observe_prompt", counting)
+    specs = [
+        SelectorSpec("dense"),
+        SelectorSpec("cis", {"budget": 16}),  # tau="auto", the default
+        SelectorSpec("cis", {"budget": 16, "tau": 0.72}),
+        SelectorSpec("prhs", {"budget": 16}),
+    ]
+    res = compare(tiny, specs, ["passkey"], context_len=260, num_samples=1, seed=1)
+    shared = {(r.selector, r.options.get("tau")): r.prefill_shared for r in res}
+    assert shared == {
+        ("dense", None): True,
+        ("cis", "auto"): False,
+        ("cis", 0.72): True,
+        ("prhs", "auto"): False,
+    }
+    assert seen and set(seen) == {"auto"}  # every full layer of the two auto runs observed

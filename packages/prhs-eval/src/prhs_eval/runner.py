@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prhs_core.protocols import PrefillPlanner
+from prhs_core.protocols import PrefillPlanner, PromptObserver
 from prhs_core.registry import selectors
 from prhs_eval.integration import PrhsRuntime, attention_spec, enable
 from prhs_eval.metrics import MeterSums, SelectionMeter
@@ -112,7 +112,13 @@ def _task_parameters(task: str) -> set[str]:
     return set(inspect.signature(TASKS[task].generator).parameters)
 
 
-def _changes_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
+def _needs_own_prefill(selector: Any, num_layers: int, prompt_len: int) -> bool:
+    """Whether ``selector`` must prefill the prompt itself rather than share the dense prefill:
+    its prefill plan changes the cache (PSAW's windows, ETF's frozen rows), or it observes the
+    prompt's queries (CIS's ``tau="auto"`` calibrates on them, which a shared prefill made
+    before the selector was attached would skip)."""
+    if isinstance(selector, PromptObserver) and selector.prompt_queries() > 0:
+        return True
     if not isinstance(selector, PrefillPlanner):
         return False
     for layer in range(num_layers):
@@ -348,7 +354,7 @@ def _run_task(
         for i in todo:
             spec = specs[i]
             selector = spec.build()
-            own_prefill = _changes_prefill(selector, ctx.num_layers, ids.shape[1])
+            own_prefill = _needs_own_prefill(selector, ctx.num_layers, ids.shape[1])
             if not own_prefill and shared is None:
                 shared = session.prefill(ids)
             runtime: PrhsRuntime = enable(session.model, selector)
