@@ -1,5 +1,6 @@
 """``prhs`` (CPE = CIS + PSAW + ETF): CIS at decode, PSAW's window and ETF's frozen prefix at
-prefill, sharing one ``start_layer`` (``N // 2`` by default) and CIS's ``n_sink``."""
+prefill when switched on, sharing one ``start_layer`` (``N // 2`` by default) and CIS's
+``n_sink``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prhs_selectors import CIS, ETF, PSAW, CISConfig, ETFConfig, PrHS, PrHSConfi
 
 @pytest.mark.parametrize("n", [8, 32])
 def test_prefill_plans_follow_both_formulas_with_the_default_start(n):
-    sel = PrHS(PrHSConfig(phi=0.4, alpha=1.5, psi=0.6, gamma=0.8, use_etf=True))
+    sel = PrHS(PrHSConfig(phi=0.4, alpha=1.5, psi=0.6, gamma=0.8, use_psaw=True, use_etf=True))
     assert isinstance(sel, PrefillPlanner) and isinstance(sel, CIS)
     ls = n // 2
     for layer in range(n):
@@ -31,14 +32,15 @@ def test_prefill_plans_follow_both_formulas_with_the_default_start(n):
         assert plan.n_sink == 4  # PSAW's visible sinks are the rows ETF keeps live
 
 
-def test_default_cpe_is_cis_and_psaw_without_etf():
-    assert PrHSConfig().use_psaw and not PrHSConfig().use_etf
-    plan = PrHS(PrHSConfig(start_layer=2)).plan_prefill(5, 8)
+def test_default_cpe_is_cis_after_a_dense_prefill():
+    assert not PrHSConfig().use_psaw and not PrHSConfig().use_etf
+    assert PrHS(PrHSConfig(start_layer=2)).plan_prefill(5, 8).is_dense
+    plan = PrHS(PrHSConfig(start_layer=2, use_psaw=True)).plan_prefill(5, 8)
     assert plan.frozen_fraction == 0.0 and plan.window_fraction > 0.0
 
 
 def test_cpe_combines_psaw_and_etf():
-    sel = PrHS(PrHSConfig(start_layer=2, use_etf=True))
+    sel = PrHS(PrHSConfig(start_layer=2, use_psaw=True, use_etf=True))
     plan = sel.plan_prefill(5, 8)
     psaw = PSAW(PSAWConfig(start_layer=2)).plan_prefill(5, 8)
     etf = ETF(ETFConfig(start_layer=2)).plan_prefill(5, 8)
@@ -47,11 +49,11 @@ def test_cpe_combines_psaw_and_etf():
     assert plan.frozen_prefix(40) == etf.frozen_prefix(40) > 0
     assert plan.frozen_rows(40) == etf.frozen_rows(40) == (4, plan.frozen_prefix(40))
     assert plan.n_sink == 4
-    assert PrHS(PrHSConfig(start_layer=2, n_sink=7)).plan_prefill(5, 8).n_sink == 7
+    assert PrHS(PrHSConfig(start_layer=2, n_sink=7, use_psaw=True)).plan_prefill(5, 8).n_sink == 7
     no_psaw = PrHS(PrHSConfig(start_layer=2, use_psaw=False, use_etf=True)).plan_prefill(5, 8)
     assert no_psaw.window_fraction == 0.0 and no_psaw.frozen_fraction == etf.frozen_fraction
     assert no_psaw.frozen_rows(40) == etf.frozen_rows(40)  # sinks live without PSAW too
-    no_etf = PrHS(PrHSConfig(start_layer=2, use_etf=False)).plan_prefill(5, 8)
+    no_etf = PrHS(PrHSConfig(start_layer=2, use_psaw=True)).plan_prefill(5, 8)
     assert no_etf.frozen_fraction == 0.0 and no_etf.window_fraction == psaw.window_fraction
     off = PrHS(PrHSConfig(start_layer=2, use_psaw=False, use_etf=False)).plan_prefill(5, 8)
     assert off.is_dense

@@ -18,15 +18,17 @@ __all__ = ["PrHS", "PrHSConfig"]
 class PrHSConfig(CISConfig):
     """CIS's hyperparameters plus PSAW's (``phi``, ``alpha``) and ETF's (``psi``, ``gamma``),
     sharing one ``start_layer`` (``N/2`` when ``None``) and CIS's ``n_sink``. ``use_psaw`` /
-    ``use_etf`` switch the prefill parts on or off: ETF is off by default (it raised perplexity
-    by more than it saved in prefill FLOPs on every model measured; see the ETF docs page)."""
+    ``use_etf`` switch the prefill parts on: both are off by default, so the default ``prhs``
+    is CIS after a dense prefill. ETF raised perplexity by more than it saved in prefill FLOPs
+    on every model measured; PSAW's windows lost answers the same decode finds after a dense
+    prefill at 1/32 of the context (see the PSAW and ETF docs pages)."""
 
     phi: float = 0.5
     alpha: float = 1.0
     psi: float = 0.7
     gamma: float = 1.0
     start_layer: int | None = None
-    use_psaw: bool = True
+    use_psaw: bool = False
     use_etf: bool = False
 
     def __post_init__(self) -> None:
@@ -41,11 +43,13 @@ class PrHSConfig(CISConfig):
             raise TypeError("use_psaw and use_etf must be bools")
 
 
-@selectors.register("prhs", config=PrHSConfig, summary="PrHS CPE: CIS + PSAW (+ ETF: use_etf)")
+@selectors.register(
+    "prhs", config=PrHSConfig, summary="PrHS CPE: CIS (+ PSAW: use_psaw, + ETF: use_etf)"
+)
 class PrHS(CIS):
-    """PrHS's CPE = CIS + PSAW + ETF (Gao et al., arXiv:2602.08329), ETF off by default: CIS
-    selects at decode; PSAW's window (and, with ``use_etf``, ETF's frozen prefix) restrict
-    prefill in layers past ``start_layer``."""
+    """PrHS's CPE = CIS + PSAW + ETF (Gao et al., arXiv:2602.08329), PSAW and ETF off by
+    default: CIS selects at decode; with ``use_psaw`` PSAW's window, and with ``use_etf`` ETF's
+    frozen prefix, restrict prefill in layers past ``start_layer``."""
 
     name = "prhs"
     config_type = PrHSConfig
@@ -53,6 +57,8 @@ class PrHS(CIS):
 
     def plan_prefill(self, layer: int, num_layers: int) -> PrefillLayerPlan:
         c = self.config
+        # The layer and start_layer are checked whether or not a prefill part is on.
+        depth_fraction(c.phi, c.alpha, layer, num_layers, c.start_layer)
         plan = PrefillLayerPlan(layer)
         if c.use_psaw:
             plan = psaw_plan(
