@@ -36,15 +36,27 @@ def scores(n: int, frac: float, gen: torch.Generator) -> tuple[torch.Tensor, tor
 
 
 def topk(
-    out: Any, cases: list[tuple[int, int]], fracs: list[float], bits: list[int], plans: bool
+    out: Any,
+    cases: list[tuple[int, int]],
+    fracs: list[float],
+    bits: list[int],
+    segments: list[int],
+    plans: bool,
 ) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), frac in itertools.product(cases, fracs):
-        topk_case(out, n, k, frac, gen, bits, plans)
+        topk_case(out, n, k, frac, gen, bits, segments, plans)
 
 
 def topk_case(
-    out: Any, n: int, k: int, frac: float, gen: torch.Generator, bits: list[int], plans: bool
+    out: Any,
+    n: int,
+    k: int,
+    frac: float,
+    gen: torch.Generator,
+    bits: list[int],
+    segments: list[int],
+    plans: bool,
 ) -> None:
     from prhs_kernels.cis import top_blocks
     from prhs_kernels.cis import triton as ct
@@ -56,9 +68,10 @@ def topk_case(
     emit(out, {**base, "op": "torch.topk (all rows)",
                "ms": kb.graph_ms(lambda: torch.topk(x, k, dim=-1))})  # fmt: skip
 
-    def run(one_pass: int, chunk: int, radix_bits: int) -> None:
+    def run(one_pass: int, chunk: int, radix_bits: int, segment: int) -> None:
         ct.TOPK_ONE_PASS, ct.TOPK_CHUNK = one_pass, chunk
         ct.TUNING["topk_radix_bits"] = radix_bits
+        ct.TUNING["topk_scan_segment"] = segment
         plan = ct._topk_plan(n, k)
         if plan is None:
             return
@@ -66,20 +79,21 @@ def topk_case(
         same = torch.equal(idx[act].sort(-1).values, ref.indices[act].int().sort(-1).values)
         ms = kb.graph_ms(lambda: top_blocks(x, k, act, path="triton"))
         emit(out, {**base, "op": "top_blocks", "one_pass": one_pass, "chunk": chunk,
-                   "radix_bits": radix_bits, "plan": list(plan), "ms": ms,
+                   "radix_bits": radix_bits, "scan_segment": segment,
+                   "plan": list(plan), "ms": ms,
                    "sets_equal": same,
                    "values_equal": torch.equal(val[act], ref.values[act])})  # fmt: skip
 
     # The shipped plan at each search width, then other one-pass limits and chunks.
-    shipped = ct.TUNING["topk_radix_bits"]
-    for radix_bits in bits:
-        run(saved[0], saved[1], radix_bits)
+    shipped = dict(ct.TUNING)
+    for radix_bits, segment in itertools.product(bits, segments):
+        run(saved[0], saved[1], radix_bits, segment)
     if n > 8192 and plans:
         for o, c in ((8192, 2048), (8192, 4096), (16384, 8192)):
-            for radix_bits in bits:
-                run(o, c, radix_bits)
+            for radix_bits, segment in itertools.product(bits, segments):
+                run(o, c, radix_bits, segment)
     ct.TOPK_ONE_PASS, ct.TOPK_CHUNK = saved
-    ct.TUNING["topk_radix_bits"] = shipped
+    ct.TUNING.update(shipped)
 
 
 def compose(out: Any, fracs: list[float]) -> None:
@@ -130,20 +144,24 @@ def compose_case(out: Any, frac: float, gen: torch.Generator) -> None:
     ct.TUNING.update(saved)
 
 
-def steps(out: Any, shapes: list[tuple[int, int, int]], bits: list[int], rho: float) -> None:
+def steps(
+    out: Any, shapes: list[tuple[int, int, int]], bits: list[int], segments: list[int], rho: float
+) -> None:
     """The whole per-token CIS step (kernels.py's step rows: budget 1024, block_size 1, ``rho``
-    of the query groups jumping each step) at each search width of the top-k."""
+    of the query groups jumping each step) at each search width and scan segment of the
+    top-k."""
     from prhs_kernels.cis import triton as ct
 
     bw = kb.copy_bandwidth()
-    shipped = ct.TUNING["topk_radix_bits"]
-    for (b, t, hkv), radix_bits in itertools.product(shapes, bits):
+    shipped = dict(ct.TUNING)
+    for (b, t, hkv), radix_bits, segment in itertools.product(shapes, bits, segments):
         ct.TUNING["topk_radix_bits"] = radix_bits
+        ct.TUNING["topk_scan_segment"] = segment
         r = kb.step_bench("cis", b, t, hkv, 1024, rho, bw)
         emit(out, {"op": "cis step", "B": b, "T": t, "Hkv": hkv, "rho": rho,
-                   "radix_bits": radix_bits, **r})  # fmt: skip
+                   "radix_bits": radix_bits, "scan_segment": segment, **r})  # fmt: skip
         torch.cuda.empty_cache()
-    ct.TUNING["topk_radix_bits"] = shipped
+    ct.TUNING.update(shipped)
 
 
 def emit(out: Any, row: dict[str, Any]) -> None:
@@ -160,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=cases, help="NxK, comma separated")
     p.add_argument("--active", default="0.1,0.03")
     p.add_argument("--bits", default="1,2,4", help="search bits a round (TUNING topk_radix_bits)")
+    p.add_argument("--segments", default="0", help="TUNING topk_scan_segment values")
     p.add_argument("--no-compose", action="store_true")
     p.add_argument("--no-plans", action="store_true", help="only the shipped chunking")
     p.add_argument("--steps", default="", help="BxTkxHkv shapes of whole-step rows, e.g. 16x16x8")
@@ -173,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_compose:
             compose(out, fracs)
         bits = [int(b) for b in a.bits.split(",")]
-        topk(out, cases, fracs, bits, not a.no_plans)  # type: ignore[arg-type]
+        segments = [int(v) for v in a.segments.split(",")]
+        topk(out, cases, fracs, bits, segments, not a.no_plans)  # type: ignore[arg-type]
         shapes = [tuple(int(v) for v in x.split("x")) for x in a.steps.split(",") if x]
         shapes = [(b, t * 1024, h) for b, t, h in shapes]
-        steps(out, shapes, bits, a.rho)  # type: ignore[arg-type]
+        steps(out, shapes, bits, segments, a.rho)  # type: ignore[arg-type]
     return 0
 
 

@@ -52,6 +52,7 @@ TUNING = {
     "compose_warps_wide": 16,
     "topk_sort_warps": 8,
     "topk_radix_bits": 2,
+    "topk_scan_segment": 128,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
@@ -64,8 +65,11 @@ whose last pass ranks 2048 candidates: rows of 16 384 in 40.2 µs at 4 warps, 35
 at 16; 131 072 in 83.3, 78.1, 79.4). And the bits the top-k's search for the ``k``-th key
 resolves a round (1, 2 or 4: 32, 16 or 8 block-wide reductions); the same 13 rows, in µs at
 1 / 2 / 4 bits: 16 384 positions 54.3 / 47.8 / 160, 65 536 73.5 / 70.5 / 402, 131 072 117 /
-106 / 520 (4 bits hold 16 counts per key in registers, and spill). Module-level so that a
-benchmark can sweep them."""
+106 / 520 (4 bits hold 16 counts per key in registers, and spill). And the segment of the
+top-k's prefix counts (a prefix sum within segments of that many lanes, then over the
+segments' totals; 0: one prefix sum over the block); at 2 bits, µs at 0 / 32 / 128 / 512:
+16 384 positions 48.1 / 46.1 / 45.9 / 47.4, 65 536 71.3 / 63.5 / 63.2 / 65.8, 131 072 106 /
+100 / 99.2 / 103. Module-level so that a benchmark can sweep them."""
 
 
 def _decide_kernel(
@@ -358,6 +362,22 @@ def _compose_kernel(
         tl.store(ALOGD + slot * stride_alogd_n + h * stride_alogd_h, 0.0)
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _prefix_count(flags, BLOCK: tl.constexpr, SEG: tl.constexpr):
+    """Inclusive prefix count of ``flags [BLOCK]`` (bool), in segments of ``SEG`` lanes: a
+    prefix sum within each segment, plus the exclusive prefix sum of the segments' totals
+    (``SEG`` 0: one prefix sum over the block)."""
+    x = flags.to(tl.int32)
+    if SEG == 0:
+        out = tl.cumsum(x, 0)
+    else:
+        x2 = tl.reshape(x, [BLOCK // SEG, SEG])
+        total = tl.sum(x2, 1)
+        before = tl.cumsum(total, 0) - total
+        out = tl.reshape(before[:, None] + tl.cumsum(x2, 1), [BLOCK])
+    return out
+
+
 def _topk_kernel(
     SCORES,
     IDX_IN,
@@ -376,6 +396,7 @@ def _topk_kernel(
     SORT: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     RADIX: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """Top ``k`` of one chunk of ``chunk`` scores of a row of ``n`` (NaN as ``-inf``; ties:
     lower index first), for an active row; an inactive row gets ``-1`` / ``-inf``. Program
@@ -425,8 +446,8 @@ def _topk_kernel(
         greater = ok & (key > thr)
         tie = ok & (key == thr)
         need = k_here - tl.sum(greater.to(tl.int32), 0)
-        take = greater | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-        pos = tl.cumsum(take.to(tl.int32), 0) - 1
+        take = greater | (tie & (_prefix_count(tie, BLOCK, SEG) <= need))
+        pos = _prefix_count(take, BLOCK, SEG) - 1
         comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
         scratch = SCRATCH + slot * BLOCK_K
         tl.store(scratch + pos, comp, mask=take)
@@ -511,6 +532,11 @@ def top_blocks_triton(
     bits = TUNING["topk_radix_bits"]
     if bits not in (1, 2, 4):
         raise ValueError(f'TUNING["topk_radix_bits"] must be 1, 2 or 4, got {bits!r}')
+    seg = TUNING["topk_scan_segment"]
+    if seg != 0 and (seg < 16 or seg & (seg - 1)):
+        raise ValueError(
+            f'TUNING["topk_scan_segment"] must be 0 or a power of two >= 16, got {seg!r}'
+        )
     # Each pass but the last keeps each chunk's top k by position (so a row's candidates stay
     # in position order and ties toward the lower id); the last sorts and reports the ids.
     # Rows may be padded (a row stride that is a multiple of 16 lets the loads be vectorised:
@@ -530,7 +556,8 @@ def top_blocks_triton(
         topk[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last,
-            RADIX_BITS=bits, RADIX=1 << bits, num_warps=_topk_warps(block, last),
+            RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block),
+            num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
     return idx, val
@@ -553,6 +580,13 @@ def _topk_warps(block: int, sort: bool) -> int:
     ``TUNING["topk_sort_warps"]`` for the last pass, which also sorts the winners."""
     warps = 16 if block >= 16384 else 8 if block >= 4096 else 4
     return max(warps, TUNING["topk_sort_warps"]) if sort else warps
+
+
+def _scan_segment(block: int) -> int:
+    """Lanes per segment of the top-k's prefix counts (``TUNING["topk_scan_segment"]``, at most
+    the block; 0: one prefix sum over the block)."""
+    seg = TUNING["topk_scan_segment"]
+    return 0 if seg == 0 else min(seg, block)
 
 
 def _compose_warps(block_w: int) -> int:
