@@ -165,6 +165,55 @@ def test_output_bound_is_attained_by_opposite_values():
 # ---------------------------------------------------------------------------------------------
 # §2.3 entropy continuity
 # ---------------------------------------------------------------------------------------------
+def test_binary_entropy_of_tiny_arguments_keeps_its_second_term():
+    # h(x) = x ln(1/x) + x + O(x²): ln(1 − x) rounds to 0 below 1e-16, log1p does not.
+    for x in (1e-20, 1e-12, 1e-300):
+        want = x * math.log(1 / x) + x
+        got = th.binary_entropy(torch.tensor(x, dtype=F64)).item()
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+    tiny = torch.tensor(1e-30, dtype=torch.float32)
+    want = 1e-30 * math.log(1e30) + 1e-30
+    assert th.binary_entropy(tiny).item() == pytest.approx(want, rel=1e-5, abs=0)
+    edge = th.binary_entropy(torch.tensor([0.0, 1.0, 1 - 1e-16], dtype=F64))
+    assert edge[0] == 0.0 and edge[1] == 0.0 and torch.isfinite(edge).all()
+    # The entropy bound inherits it: f(δ) for a tiny δ is about δ ln(t/δ), not δ ln t alone.
+    d = torch.tensor(1e-20, dtype=F64)
+    bound = th.entropy_continuity_bound(d, 1000).item()
+    assert bound == pytest.approx(1e-20 * (math.log(999) + math.log(1e20) + 1), rel=1e-9, abs=0)
+
+
+def test_masses_do_not_move_when_every_logit_shifts_by_a_constant():
+    # Logits on a grid of 1/8 stay exact when shifted by 4096 in float32, so any difference is
+    # the computation's: the masses are differences of log-sum-exps, taken relative to the max.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-160, 160, (4, 300), generator=gen).float() / 8
+    sel = torch.rand(4, 300, generator=gen) < 0.3
+    valid = torch.rand(4, 300, generator=gen) < 0.9
+    for shift in (4096.0, -4096.0, 1e6 / 8):
+        moved = logits + shift
+        assert torch.equal(moved - shift, logits)  # exactly representable
+        for f in (th.dropped_mass, th.retained_mass, th.retained_mass_gap, th.log_dropped_mass):
+            assert torch.equal(f(moved, sel, valid), f(logits, sel, valid)), (f.__name__, shift)
+        a = th.top_p_budget(moved, 0.05, valid)
+        b = th.top_p_budget(logits, 0.05, valid)
+        assert torch.equal(a.size, b.size) and torch.equal(a.dropped, b.dropped)
+        assert torch.equal(a.mask, b.mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_tensors_on_two_devices_get_our_error():
+    logits = torch.randn(2, 5)
+    sel = torch.ones(2, 5, dtype=torch.bool, device="cuda")
+    with pytest.raises(ValueError, match="selected is on cuda"):
+        th.dropped_mass(logits, sel)
+    with pytest.raises(ValueError, match="values is on cuda"):
+        th.dense_output(logits, torch.randn(2, 5, 3, device="cuda"))
+    with pytest.raises(ValueError, match="anchor is on cuda"):
+        th.logit_shift_bound(torch.randn(4), torch.randn(4, device="cuda"), 1.0, 1.0)
+    with pytest.raises(ValueError, match="eps is on cuda"):
+        th.log_reuse_certificate(torch.tensor([-1.0]), torch.tensor([0.1], device="cuda"))
+
+
 def test_binary_entropy_values():
     x = torch.tensor([0.0, 0.5, 1.0, 0.1], dtype=F64)
     expected = torch.tensor(
@@ -525,6 +574,41 @@ BAD_CALLS = {
         lambda: th.logit_shift_bound(torch.randn(4), torch.randn(5), 1.0, 1.0),
         ValueError,
         "same shape",
+    ),
+    "query-nan": (
+        lambda: th.logit_shift_bound(torch.tensor([1.0, math.nan]), torch.zeros(2), 1.0, 1.0),
+        ValueError,
+        "query holds a non-finite",
+    ),
+    "anchor-inf": (
+        lambda: th.logit_shift_bound(torch.zeros(2), torch.tensor([math.inf, 0.0]), 1.0, 1.0),
+        ValueError,
+        "anchor holds a non-finite",
+    ),
+    "key-norm-nan": (
+        lambda: th.logit_shift_bound(torch.zeros(2), torch.ones(2), math.nan, 1.0),
+        ValueError,
+        "key_norm_max holds a non-finite",
+    ),
+    "key-norm-inf": (
+        lambda: th.logit_shift_bound(torch.zeros(2), torch.ones(2), math.inf, 1.0),
+        ValueError,
+        "key_norm_max holds a non-finite",
+    ),
+    "scaling-nan": (
+        lambda: th.logit_shift_bound(torch.zeros(2), torch.ones(2), 1.0, math.nan),
+        ValueError,
+        "scaling",
+    ),
+    "log-delta-nan": (
+        lambda: th.log_reuse_certificate(torch.tensor([-1.0, math.nan]), 0.1),
+        ValueError,
+        "log_delta_anchor",
+    ),
+    "delta-anchor-nan": (
+        lambda: th.reuse_certificate(torch.tensor([math.nan]), 0.1),
+        ValueError,
+        "delta_anchor",
     ),
     "gqa-not-multiple": (
         lambda: th.group_query_heads(torch.randn(1, 6, 3), 4),

@@ -28,10 +28,12 @@ import torch
 
 from prhs_core.checks import (
     check_bool_mask,
+    check_device,
     check_float_tensor,
     check_int,
     check_probability,
     check_same_shape,
+    check_values_finite,
 )
 
 __all__ = [
@@ -85,19 +87,30 @@ def _prep(
         valid = torch.ones(shape, dtype=torch.bool, device=logits.device)
     else:
         check_bool_mask("valid", valid, shape)
+    _same_device(("logits", "selected", "valid"), (logits, selected, valid))
     if shape[-1] == 0 or not bool(valid.any(-1).all()):
         raise ValueError("every row needs at least one valid position (t >= 1)")
     work = _work_dtype(logits)
     if not bool(torch.isfinite(work[valid]).all()):
         raise ValueError("logits at valid positions must be finite (no NaN or inf)")
     work = work.masked_fill(~valid, _NEG_INF)
+    # Every mass is a difference of log-sum-exps: taken relative to the row's largest logit,
+    # they do not lose digits to a large common shift (logits + 1e4 give the same masses).
+    work = work - work.amax(-1, keepdim=True)
     if selected is not None:
         selected = selected & valid
     return work, selected, valid
 
 
+def _same_device(names: tuple[str, ...], tensors: tuple[torch.Tensor | None, ...]) -> None:
+    """:func:`check_device` over the tensors given (``None``: an optional one left out)."""
+    given = [(n, t) for n, t in zip(names, tensors, strict=True) if t is not None]
+    check_device([n for n, _ in given], [t for _, t in given])
+
+
 def _check_values(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     check_float_tensor("values", values, min_ndim=2)
+    check_device(("logits", "values"), (logits, values))
     if tuple(values.shape[:-1]) != tuple(logits.shape):
         raise ValueError(
             f"values must have shape [..., T, Dv] matching logits {list(logits.shape)}, "
@@ -176,6 +189,7 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     check_float_tensor("p", p, min_ndim=1)
     check_float_tensor("q", q, min_ndim=1)
     check_same_shape(("p", "q"), (p, q))
+    check_device(("p", "q"), (p, q))
     return 0.5 * (_work_dtype(p) - _work_dtype(q)).abs().sum(-1)
 
 
@@ -245,6 +259,7 @@ def output_error_bound(
     check_float_tensor("delta", delta)
     check_probability("delta", delta)
     check_float_tensor("values", values, min_ndim=2)
+    _same_device(("delta", "values", "valid"), (delta, values, valid))
     if tuple(values.shape[:-2]) != tuple(delta.shape):
         raise ValueError(
             f"values [..., T, Dv] must have leading shape {list(delta.shape)} (delta's), "
@@ -268,10 +283,14 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
 
 
 def binary_entropy(x: float | torch.Tensor) -> torch.Tensor:
-    """``h(x) = −x ln x − (1−x) ln(1−x)`` in nats, for ``x ∈ [0, 1]``."""
+    """``h(x) = −x ln x − (1−x) ln(1−x)`` in nats, for ``x ∈ [0, 1]``.
+
+    ``ln(1−x)`` is ``log1p(−x)``: for a tiny ``x`` the second term is ``≈ x``, which
+    ``ln(1 − x)`` would round to 0 (``h(1e-20)`` would be 2 % low)."""
     x = _as_tensor(x)
     check_probability("x", x)
-    return -torch.special.xlogy(x, x) - torch.special.xlogy(1 - x, 1 - x)
+    second = torch.where(x < 1, (1 - x) * torch.log1p(-x), torch.zeros_like(x))
+    return -torch.special.xlogy(x, x) - second
 
 
 def entropy_continuity_bound(tv: float | torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
@@ -337,9 +356,18 @@ def logit_shift_bound(
     check_float_tensor("query", query, min_ndim=1)
     check_float_tensor("anchor", anchor, min_ndim=1)
     check_same_shape(("query", "anchor"), (query, anchor))
-    if isinstance(scaling, bool) or not isinstance(scaling, int | float) or scaling <= 0:
-        raise ValueError(f"scaling must be a positive float, got {scaling!r}")
+    if (
+        isinstance(scaling, bool)
+        or not isinstance(scaling, int | float)
+        or not math.isfinite(scaling)
+        or scaling <= 0
+    ):
+        raise ValueError(f"scaling must be a positive finite float, got {scaling!r}")
     kmax = _as_tensor(key_norm_max, query)
+    check_device(("query", "anchor", "key_norm_max"), (query, anchor, kmax))
+    check_values_finite("query", query)
+    check_values_finite("anchor", anchor)
+    check_values_finite("key_norm_max", kmax)
     if kmax.numel() and bool((kmax < 0).any()):
         raise ValueError("key_norm_max must be >= 0")
     diff = (_work_dtype(query) - _work_dtype(anchor)).norm(dim=-1)
@@ -357,9 +385,11 @@ def log_reuse_certificate(
     """
     check_float_tensor("log_delta_anchor", log_delta_anchor)
     e = _as_tensor(eps, log_delta_anchor)
+    check_device(("log_delta_anchor", "eps"), (log_delta_anchor, e))
     if check:
-        if log_delta_anchor.numel() and bool((log_delta_anchor > 0).any()):
-            raise ValueError("log_delta_anchor must be <= 0 (δ_a lies in [0, 1])")
+        bad = torch.isnan(log_delta_anchor) | (log_delta_anchor > 0)
+        if log_delta_anchor.numel() and bool(bad.any()):
+            raise ValueError("log_delta_anchor must be <= 0 and not NaN (δ_a lies in [0, 1])")
         if e.numel() and bool((torch.isnan(e) | (e < 0)).any()):
             raise ValueError("eps must be >= 0")
     la = _work_dtype(log_delta_anchor)
