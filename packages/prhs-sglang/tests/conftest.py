@@ -160,13 +160,13 @@ SERVERS: dict[str, tuple[str, ...]] = {
         "--max-total-tokens",
         "8192",
     ),
-    # PrHS as shipped (PSAW prefill, CIS decode) with a 64-position budget; a 2000-token prompt
-    # prefills in 4 chunks.
+    # PrHS with PSAW's windowed prefill switched on (off by default) and CIS decode, with a
+    # 64-position budget; a 2000-token prompt prefills in 4 chunks.
     "small": (
         "--sparse-attn",
         "prhs",
         "--sparse-config",
-        json.dumps({"budget": 64, "log_interval": 4}),
+        json.dumps({"budget": 64, "use_psaw": True, "log_interval": 4}),
         *CHUNKS,
         "--max-total-tokens",
         "24576",

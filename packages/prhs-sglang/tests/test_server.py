@@ -66,7 +66,7 @@ def test_full_budget_greedy_equals_torch_native(servers, tokenizer, passkey):
 
 @pytest.fixture(scope="module")
 def small(servers):
-    """PrHS (PSAW prefill, CIS decode) with a 64-position budget (conftest.SERVERS)."""
+    """PrHS with PSAW prefill and CIS decode, a 64-position budget (conftest.SERVERS)."""
     return servers["small"]
 
 
