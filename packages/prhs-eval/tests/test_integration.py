@@ -85,6 +85,22 @@ def test_certified_cis_certificate_holds_on_every_step_of_a_batched_run(make_tin
     assert m.certificate_violations == 0
 
 
+def test_certified_retrievals_cut_by_the_cap_are_counted_as_misses(make_tiny):
+    """A retrieval's top-p set capped at k_max can drop more than δ_target: no certificate
+    violation (δ̂ is its exact δ), but counted as a miss; with no binding cap, none."""
+    model = make_tiny("llama")
+    batch = _batch(128, [90, 70])
+    common = dict(budget=4, block_size=1, n_sink=1, n_local=2, delta_max=0.02,
+                  require_cosine=False)  # fmt: skip
+    capped = _measured(model, batch, "cis", n=6, mi=False, k_max=4, **common)
+    assert capped.certificate_violations == 0
+    assert capped.target_misses is not None and capped.target_misses > 0
+    free = _measured(model, batch, "cis", n=6, mi=False, k_max=10_000, **common)
+    assert free.certificate_violations == 0 and free.target_misses == 0
+    paper = _measured(model, batch, "cis", n=3, mi=False, budget=4)
+    assert paper.target_misses is None  # certifies nothing: no target
+
+
 def test_beta_is_split_between_retrievals_and_reuses(make_tiny):
     # CIS both retrieves and reuses here; the split means weight back to beta_emp. The oracle
     # retrieves at every decision, so it has no reuse to average.

@@ -139,7 +139,7 @@ def _table_rows(text: str) -> tuple[list[str], list[str]]:
 
 def test_table_cells_and_missing_values() -> None:
     results = [
-        _run("quest", "niah", 256, accuracy=0.8766, certificate_violations=3),
+        _run("quest", "niah", 256, accuracy=0.8766, certificate_violations=3, target_misses=2),
         _run("streaming", "ppl_kjv", 128, perplexity=12.34567, delta_mean=1.234567e-5),
         _run("dense", "niah", 0, accuracy=1.0, delta_mean=0.0, decode_tokens=0),
     ]
@@ -147,7 +147,7 @@ def test_table_cells_and_missing_values() -> None:
     (head, rule), rows = _table_rows(text)
     for name in ("task", "selector", "budget", "acc", "ppl", "δ mean", "δ max", "β_emp",
                  "overlap", "ρ̂ %", "Avg KV", "KB/step", "vs dense", "B_MI", "ΔI_emp", "cert",
-                 "prefill s", "s/tok", "dense L"):  # fmt: skip
+                 "missed", "prefill s", "s/tok", "dense L"):  # fmt: skip
         assert name in head
     assert set(rule) == {"-"}
     assert len(rows) == 3
@@ -165,7 +165,8 @@ def test_table_cells_and_missing_values() -> None:
     assert " 2048.0 " in quest  # KB/step
     assert " 25.0% " in quest  # vs dense
     assert " 0.015" in quest  # s/tok = 1.5 / 100
-    assert quest.split()[-3] == "3"  # cert
+    assert quest.split()[-4] == "3"  # cert
+    assert quest.split()[-3] == "2"  # missed
     assert quest.split()[-2] == "0.25"  # own prefill seconds
     assert " 256 " in quest  # budget
 

@@ -43,12 +43,18 @@ class StepStats:
     delta_hat:
         ``[B, Hkv]`` float32 certified upper bound of the dropped mass, or ``None`` when the
         selector certifies nothing.
+    missed:
+        ``[B, Hkv]`` bool: a certified retrieval whose own dropped mass is above its target
+        (its top-p set was cut by the cap), or ``None`` when the selector certifies nothing.
+        Such a decision is no violation (``delta_hat`` is its exact ``δ``), but it is not
+        within the target either.
     """
 
     retrieved: torch.Tensor
     num_selected: torch.Tensor
     proxy_bytes: torch.Tensor
     delta_hat: torch.Tensor | None = None
+    missed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.retrieved, torch.Tensor) or self.retrieved.ndim != 2:
@@ -56,6 +62,8 @@ class StepStats:
         shape = tuple(self.retrieved.shape)
         check_bool_mask("retrieved", self.retrieved, shape)
         check_index_tensor("num_selected", self.num_selected, ndim=2)
+        if self.missed is not None:
+            check_bool_mask("missed", self.missed, shape)
         for name in ("num_selected", "proxy_bytes", "delta_hat"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
@@ -67,13 +75,15 @@ class StepStats:
     def allocate(
         cls, batch_size: int, num_kv_heads: int, device: torch.device | str, *, certified: bool
     ) -> StepStats:
-        """Zeroed buffers for ``batch_size`` rows (with ``delta_hat`` when ``certified``)."""
+        """Zeroed buffers for ``batch_size`` rows (with ``delta_hat`` and ``missed`` when
+        ``certified``)."""
         shape = (batch_size, num_kv_heads)
         return cls(
             torch.zeros(shape, dtype=torch.bool, device=device),
             torch.zeros(shape, dtype=torch.int32, device=device),
             torch.zeros(shape, dtype=torch.float64, device=device),
             torch.zeros(shape, dtype=torch.float32, device=device) if certified else None,
+            torch.zeros(shape, dtype=torch.bool, device=device) if certified else None,
         )
 
     def bytes_read(

@@ -58,6 +58,10 @@ class SelectionMetrics:
         Mean MI bound ``B_MI`` and empirical ``ΔI_emp`` over (sequence, layer, query head).
     certificate_violations:
         Decisions whose certified ``δ̂`` fell below the measured ``δ`` (``None``: no certificate).
+    target_misses:
+        Certified retrievals whose own dropped mass is above their target ``δ_target``, their
+        top-p set cut by the cap ``k_max`` (``None``: no certificate). Not violations (their
+        ``δ̂`` is their exact ``δ``), and not within the target either.
     beta_retrieval, beta_reuse:
         ``β_emp`` split by decision: over the decisions that scored every key (a retrieval),
         and over the others (for CIS its reuses of an anchor's set; for a selector that never
@@ -80,6 +84,7 @@ class SelectionMetrics:
     certificate_violations: int | None
     beta_retrieval: float = math.nan
     beta_reuse: float = math.nan
+    target_misses: int | None = None
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain dict for result files."""
@@ -102,7 +107,8 @@ class MeterSums:
     sums:
         Sum over decisions of ``delta``, ``beta``, ``overlap``, ``recall``, ``avg_kv``, and,
         when the selector reports statistics, ``retrieved`` and ``beta_retrieved`` (``β`` of
-        the decisions that retrieved).
+        the decisions that retrieved), and when it certifies, ``missed`` (retrievals above
+        their target).
     delta_max:
         Largest ``δ`` (0 when nothing was measured).
     violations:
@@ -190,6 +196,7 @@ class MeterSums:
             certificate_violations=self.violations,
             beta_retrieval=beta_ret / n_ret if n_ret > 0 else nan,
             beta_reuse=(beta_all - beta_ret) / (n - n_ret) if n - n_ret > 0 else nan,
+            target_misses=round(self.sums["missed"]) if "missed" in self.sums else None,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -335,6 +342,8 @@ class SelectionMeter:
             if stats.delta_hat is not None:
                 bad = delta > stats.delta_hat.double() * (1 + self.tolerance) + 1e-12
                 self._violations = (self._violations or 0) + int(bad.sum())
+            if stats.missed is not None:
+                self._add("missed", stats.missed.double())
         else:
             self._add("avg_kv", size.double())
         self._dense_total += (

@@ -266,6 +266,7 @@ _COLUMNS: tuple[tuple[str, bool, Callable[[RunResult], str]], ...] = (
     ("B_MI", True, lambda r: _g3(r.metrics.b_mi)),
     ("ΔI_emp", True, lambda r: _g3(r.metrics.delta_i_emp)),
     ("cert", True, lambda r: _fmt("d")(r.metrics.certificate_violations)),
+    ("missed", True, lambda r: _fmt("d")(r.metrics.target_misses)),
     ("prefill s", True, _prefill),
     ("s/tok", True, lambda r: _g3(_ratio(r.decode_seconds, r.decode_tokens))),
 )
@@ -292,6 +293,8 @@ _LEGEND: dict[str, str] = {
     "ΔI_emp": "mean measured routing mutual-information loss (≤ B_MI)",
     "cert": "certificate violations: decisions whose certified δ̂ fell below the measured δ "
     "(- : the selector does not certify)",
+    "missed": "certified retrievals whose dropped mass is above their target δ_target, their "
+    "top-p set cut by the cap k_max (- : the selector does not certify)",
     "prefill s": "seconds of the selector's own prefill; shared: it reused the dense prefill "
     "made once per sample (its time is reported once, under the table)",
     "s/tok": "decode seconds per decode step",
@@ -337,8 +340,8 @@ def format_table(results: Sequence[RunResult]) -> str:
     ``acc`` (% with one decimal), ``ppl`` (three decimals), ``δ mean``, ``δ max`` and ``β_emp``
     (four significant digits), ``overlap`` (oracle overlap), ``ρ̂ %``, ``Avg KV``, ``KB/step``
     (bytes read per decode step / 1024), ``vs dense`` (bytes read as % of dense), ``B_MI`` and
-    ``ΔI_emp`` (three significant digits), ``cert`` (certificate violations), ``prefill s``
-    and ``s/tok``
+    ``ΔI_emp`` (three significant digits), ``cert`` (certificate violations), ``missed``
+    (certified retrievals above their target), ``prefill s`` and ``s/tok``
     (decode seconds per decode step).
 
     Parameters

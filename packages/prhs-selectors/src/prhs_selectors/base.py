@@ -391,9 +391,11 @@ class BaseSelector:
         retrieved: torch.Tensor | None,
         proxy_bytes: torch.Tensor | None,
         delta_hat: torch.Tensor | None = None,
+        missed: torch.Tensor | None = None,
     ) -> None:
         """Write the step's statistics into the plan (when it keeps them) and add them to its
-        totals. ``retrieved`` / ``proxy_bytes`` broadcast to ``[B, Hkv]`` (``None``: none)."""
+        totals. ``retrieved`` / ``proxy_bytes`` / ``missed`` broadcast to ``[B, Hkv]``
+        (``None``: none)."""
         st = plan.stats
         if st is None:
             return
@@ -415,6 +417,11 @@ class BaseSelector:
                 st.delta_hat.fill_(float("nan"))
             else:
                 st.delta_hat.copy_(delta_hat)
+        if st.missed is not None:
+            if missed is None:
+                st.missed.zero_()
+            else:
+                st.missed.copy_(missed.expand(b, h))
         assert plan.totals is not None
         live = (plan.slots != plan.state.pool.scratch_slot).view(-1, 1).double()
         row = torch.stack(

@@ -687,8 +687,12 @@ class CIS(BaseSelector):
         anchor_keep = _token_mask([new_idx, dil, sink], s, t, kv.seq_lens)
         log_d_anchor = group_log_dropped_mass(logits64, anchor_keep)
         read = _token_mask([new_idx, sink, local], s, t, kv.seq_lens)
-        exact = torch.exp(group_log_dropped_mass(logits64, read)).float()
+        exact64 = torch.exp(group_log_dropped_mass(logits64, read))
+        exact = exact64.float()
         delta_hat = torch.where(retrieve, exact, torch.exp(log_dhat).float())
+        # A retrieval whose top-p set the cap cut: what it reads drops more than its target.
+        # (The set's mass was summed from float32 probabilities: a relative slack of 1e-4.)
+        missed = retrieve & (exact64 > c.retrieval_target * (1 + 1e-4))
         new_kmax = max_key_norm(kv)
 
         r = retrieve
@@ -700,7 +704,7 @@ class CIS(BaseSelector):
         pool["anchor_kmax"][:, layer][slots] = torch.where(r, new_kmax, a_kmax)
 
         proxy = torch.where(retrieve, self.retrieval_bytes(kv), float(g * d * 4))
-        self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat)
+        self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat, missed)
         return sel
 
     def _retrieve_certified(
