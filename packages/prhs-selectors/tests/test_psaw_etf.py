@@ -134,7 +134,8 @@ def _brute_prefill_flops(planner, dims, n):
 @pytest.mark.parametrize(
     ("name", "options"),
     [("dense", {}), ("psaw", {"phi": 0.3, "n_sink": 2}), ("etf", {"psi": 0.4, "n_sink": 3}),
-     ("prhs", {"phi": 0.4, "psi": 0.5, "start_layer": 1})],
+     ("prhs", {"phi": 0.4, "start_layer": 1, "use_psaw": True}),
+     ("prhs", {"phi": 0.4, "psi": 0.5, "start_layer": 1, "use_psaw": True, "use_etf": True})],
 )  # fmt: skip
 def test_prefill_flops_count_what_the_plans_skip(name, options):
     dims = DecoderDims(num_layers=6, hidden=16, intermediate=40, num_q_heads=4, num_kv_heads=2,

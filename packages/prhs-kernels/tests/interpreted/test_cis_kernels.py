@@ -287,3 +287,15 @@ def test_top_blocks_of_active_rows_match_the_reference(
     assert torch.equal(p_idx, idx) and torch.equal(p_val, val)
     if plan is not None:  # torch.topk (the fallback) ranks every row
         assert (idx[~active] == -1).all() and torch.isneginf(val[~active]).all()
+
+
+def test_top_blocks_refuses_bad_tuning(monkeypatch):
+    x = torch.rand(2, 40)
+    active = torch.tensor([True, True])
+    monkeypatch.setitem(cis_triton.TUNING, "topk_radix_bits", 3)  # 32 is not a multiple of 3
+    with pytest.raises(ValueError, match="topk_radix_bits"):
+        cis_triton.top_blocks_triton(x, 4, active)
+    monkeypatch.setitem(cis_triton.TUNING, "topk_radix_bits", 2)
+    monkeypatch.setitem(cis_triton.TUNING, "topk_scan_segment", 24)  # not a power of two
+    with pytest.raises(ValueError, match="topk_scan_segment"):
+        cis_triton.top_blocks_triton(x, 4, active)
