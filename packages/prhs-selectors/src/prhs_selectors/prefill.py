@@ -21,6 +21,7 @@ from prhs_core.protocols import PrefillPlanner
 __all__ = [
     "DecoderDims",
     "check_fraction",
+    "check_layer",
     "check_positive",
     "depth_fraction",
     "prefill_flops",
@@ -52,15 +53,21 @@ def resolve_start_layer(start_layer: int | None, num_layers: int) -> int:
     return ls
 
 
-def depth_fraction(
-    base: float, power: float, layer: int, num_layers: int, start_layer: int | None
-) -> float:
-    """``1 − base^{power·(ℓ−ℓ_s)/(N−ℓ_s)}`` (0 below ``ℓ_s``), after checking the layer."""
+def check_layer(layer: int, num_layers: int, start_layer: int | None) -> int:
+    """Raise unless ``layer`` is one of ``num_layers`` and ``start_layer`` resolves inside
+    them; return ``ℓ_s``."""
     check_int("num_layers", num_layers, minimum=1)
     check_int("layer", layer, minimum=0)
     if layer >= num_layers:
         raise ValueError(f"layer {layer} is out of range for {num_layers} layers")
-    start = resolve_start_layer(start_layer, num_layers)
+    return resolve_start_layer(start_layer, num_layers)
+
+
+def depth_fraction(
+    base: float, power: float, layer: int, num_layers: int, start_layer: int | None
+) -> float:
+    """``1 − base^{power·(ℓ−ℓ_s)/(N−ℓ_s)}`` (0 below ``ℓ_s``), after checking the layer."""
+    start = check_layer(layer, num_layers, start_layer)
     if layer < start:
         return 0.0
     return 1.0 - base ** (power * (layer - start) / (num_layers - start))

@@ -8,7 +8,7 @@ from prhs_core.checks import check_int
 from prhs_core.protocols import PrefillLayerPlan
 from prhs_core.registry import selectors
 from prhs_selectors.cis import CIS, CISConfig
-from prhs_selectors.prefill import check_fraction, check_positive, depth_fraction
+from prhs_selectors.prefill import check_fraction, check_layer, check_positive, depth_fraction
 from prhs_selectors.psaw import psaw_plan
 
 __all__ = ["PrHS", "PrHSConfig"]
@@ -57,8 +57,7 @@ class PrHS(CIS):
 
     def plan_prefill(self, layer: int, num_layers: int) -> PrefillLayerPlan:
         c = self.config
-        # The layer and start_layer are checked whether or not a prefill part is on.
-        depth_fraction(c.phi, c.alpha, layer, num_layers, c.start_layer)
+        check_layer(layer, num_layers, c.start_layer)  # whether or not a prefill part is on
         plan = PrefillLayerPlan(layer)
         if c.use_psaw:
             plan = psaw_plan(
