@@ -319,9 +319,10 @@ def test_certificate_formula_is_attained():
     eps = torch.tensor([0.0, 0.05, 0.7, 4.0], dtype=F64)
     shifted = logits + torch.where(sel, -eps.unsqueeze(-1), eps.unsqueeze(-1))
     d_a = th.dropped_mass(logits, sel)
-    torch.testing.assert_close(
-        th.dropped_mass(shifted, sel), th.reuse_certificate(d_a, eps), rtol=1e-10, atol=1e-14
-    )
+    attained, bound = th.dropped_mass(shifted, sel), th.reuse_certificate(d_a, eps)
+    # Equal up to the 1e-9 (relative) margin the bound adds for its own rounding.
+    torch.testing.assert_close(attained, bound, rtol=2e-9, atol=1e-14)
+    assert bool((bound >= attained).all())
 
 
 def test_certificate_edge_values():
@@ -378,6 +379,195 @@ def test_logit_shift_bound_bounds_every_logit_change():
     u, w = torch.nn.functional.normalize(torch.randn(2, 8, generator=g, dtype=F64), dim=-1)
     cos = (u @ w).item()
     assert th.logit_shift_bound(u, w, 1.0, 1.0).item() == pytest.approx(math.sqrt(2 - 2 * cos))
+
+
+# ---------------------------------------------------------------------------------------------
+# §2.5 the per-page certificate, rounding
+# ---------------------------------------------------------------------------------------------
+def _pages(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, ...]:
+    """Box (min, max) and ball (mean, radius) of every aligned page of ``keys [T, D]``."""
+    t, d = keys.shape
+    pad = -t % page
+    k = keys.double()
+    lo = torch.nn.functional.pad(k, (0, 0, 0, pad), value=math.inf).view(-1, page, d).amin(1)
+    hi = torch.nn.functional.pad(k, (0, 0, 0, pad), value=-math.inf).view(-1, page, d).amax(1)
+    n = torch.nn.functional.pad(torch.ones(t, dtype=F64), (0, pad)).view(-1, page)
+    centre = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(-1, page, d).sum(1) / n.sum(1, True)
+    dist = (torch.nn.functional.pad(k, (0, 0, 0, pad)).view(-1, page, d) - centre[:, None]).norm(
+        dim=-1
+    )
+    radius = torch.where(n > 0, dist, -math.inf).amax(1)
+    return lo, hi, centre, radius
+
+
+@st.composite
+def reuse_case(draw: st.DrawFn):
+    """An anchor's group of queries, keys in pages, a chosen set, a later group of queries."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    g = draw(st.integers(1, 4))
+    d = draw(st.sampled_from([4, 16]))
+    page = draw(st.sampled_from([1, 3, 16]))
+    t_anchor = draw(st.integers(1, 70))
+    n_new = draw(st.integers(0, 5))
+    dtype = draw(st.sampled_from([torch.float32, F64]))
+    scaling = draw(st.sampled_from([1 / math.sqrt(d), 1.0, 7.3]))
+    kind = draw(st.sampled_from(["normal", "channels", "outlier", "tiny"]))
+    t = t_anchor + n_new
+    keys = torch.randn(t, d, generator=gen, dtype=F64)
+    if kind == "channels":  # a few huge channels, as real keys have
+        keys = keys * torch.logspace(-2, 2, d, dtype=F64)[torch.randperm(d, generator=gen)]
+    elif kind == "outlier":
+        keys[torch.randint(t, (1,), generator=gen)] *= 50
+    elif kind == "tiny":
+        keys = keys * 1e-4
+    q_a = torch.randn(g, d, generator=gen, dtype=F64) * draw(st.sampled_from([0.3, 1.0, 4.0]))
+    sel = torch.rand(t, generator=gen) < draw(st.floats(0.0, 1.0))
+    sel[t_anchor:] = True  # every position added since the anchor is read
+    noise = draw(st.sampled_from([0.0, 0.01, 0.3, 2.0]))
+    direction = draw(st.sampled_from(["random", "adversarial"]))
+    if direction == "adversarial" and (~sel).any() and sel[:t_anchor].any():
+        # Move every head toward the dropped keys and away from the selected ones.
+        toward = keys[~sel].mean(0) - keys[:t_anchor][sel[:t_anchor]].mean(0)
+        dq = toward / toward.norm().clamp_min(1e-30) * noise * math.sqrt(d)
+        q = q_a + dq
+    else:
+        q = q_a + noise * torch.randn(g, d, generator=gen, dtype=F64)
+    return keys.to(dtype), q_a.to(dtype), q.to(dtype), sel, t_anchor, page, scaling
+
+
+@given(reuse_case())
+def test_page_certificates_bound_the_dropped_mass_of_every_query_head(case):
+    keys, q_a, q, sel, t_anchor, page, scaling = case
+    k64 = keys.double()
+    anchor_logits = (q_a.double() @ k64[:t_anchor].T) * scaling  # [g, t_a]
+    new_logits = (q.double() @ k64.T) * scaling  # [g, t]
+    true = th.dropped_mass(new_logits, sel.expand_as(new_logits))  # per head
+    m_drop, m_sel = th.page_log_masses(anchor_logits, sel[:t_anchor].expand_as(anchor_logits), page)
+    lo, hi, centre, radius = _pages(keys[:t_anchor], page)
+    box = th.page_box_shift_bounds(q, q_a, lo.to(keys.dtype), hi.to(keys.dtype), scaling)
+    ball = th.page_ball_shift_bounds(q, q_a, centre, radius, scaling)
+    for lower, upper in (box, ball):
+        bound = th.log_page_reuse_certificate(m_drop, m_sel, lower, upper).exp()
+        assert bool((true <= bound).all()), (true, bound)
+    # The global certificate, per head: each head's own δ_a and ε.
+    d_a = th.dropped_mass(anchor_logits, sel[:t_anchor].expand_as(anchor_logits))
+    eps = th.logit_shift_bound(q, q_a, k64[:t_anchor].norm(dim=-1).max(), scaling)
+    assert bool((true <= th.reuse_certificate(d_a, eps).double()).all())
+
+
+@given(reuse_case())
+def test_page_bounds_hold_every_key_and_the_box_is_attained_at_its_corners(case):
+    keys, q_a, q, _, _, page, scaling = case
+    lo, hi, centre, radius = _pages(keys, page)
+    dq = q.double() - q_a.double()
+    change = (dq @ keys.double().T) * scaling  # [g, t]
+    p = lo.shape[0]
+    pad = p * page - keys.shape[0]
+    per_page = torch.nn.functional.pad(change, (0, pad), value=math.nan).view(-1, p, page)
+    for lower, upper in (
+        th.page_box_shift_bounds(q, q_a, lo, hi, scaling),
+        th.page_ball_shift_bounds(q, q_a, centre, radius, scaling),
+    ):
+        assert bool((per_page.nan_to_num(math.inf).amin(-1) >= lower).all())
+        assert bool((per_page.nan_to_num(-math.inf).amax(-1) <= upper).all())
+    # A key at the corner the linear function prefers reaches the box's upper bound.
+    corner = torch.where(dq > 0, hi[0], lo[0])  # [g, D]
+    reach = (dq * corner).sum(-1) * scaling
+    upper = th.page_box_shift_bounds(q, q_a, lo, hi, scaling)[1][:, 0]
+    assert torch.allclose(reach, upper, rtol=1e-12, atol=1e-12 * (1 + upper.abs().max().item()))
+
+
+def test_page_certificate_with_one_key_a_page_is_exact():
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(40, 8, generator=g, dtype=F64) * 2
+    q_a, q = torch.randn(2, 3, 8, generator=g, dtype=F64)
+    sel = torch.rand(40, generator=g) < 0.3
+    anchor = q_a @ keys.T * 0.35
+    m_drop, m_sel = th.page_log_masses(anchor, sel.expand(3, -1), 1)
+    lower, upper = th.page_box_shift_bounds(q, q_a, keys, keys, 0.35)
+    bound = th.log_page_reuse_certificate(m_drop, m_sel, lower, upper).exp()
+    true = th.dropped_mass(q @ keys.T * 0.35, sel.expand(3, -1))
+    assert bool((bound >= true).all())
+    torch.testing.assert_close(bound, true, rtol=1e-8, atol=0)
+
+
+def test_page_certificate_with_one_shift_bound_is_the_global_certificate():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 50, generator=g, dtype=F64) * 3
+    sel = th.oracle_topk_mask(logits, 10)
+    m_drop, m_sel = th.page_log_masses(logits, sel, 16)
+    eps = torch.tensor([0.0, 0.1, 1.0, 6.0], dtype=F64).unsqueeze(-1)
+    page = th.log_page_reuse_certificate(
+        m_drop, m_sel, (-eps).expand_as(m_drop), eps.expand_as(m_drop)
+    )
+    glob = th.log_reuse_certificate(th.log_dropped_mass(logits, sel), eps.squeeze(-1))
+    torch.testing.assert_close(page, glob, rtol=0, atol=1e-12)
+    # A common shift of every page's bounds changes nothing.
+    moved = th.log_page_reuse_certificate(
+        m_drop, m_sel, 40 - eps.expand_as(m_drop), 40 + eps.expand_as(m_drop)
+    )
+    torch.testing.assert_close(moved, glob, rtol=0, atol=1e-11)
+
+
+def test_page_log_masses_and_certificate_edges():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]], dtype=F64)
+    sel = torch.tensor([[True, False, True, True, False]])
+    m_drop, m_sel = th.page_log_masses(logits, sel, 2)
+    p = torch.softmax(logits, -1)[0]
+    torch.testing.assert_close(m_drop.exp()[0], torch.stack([p[1], p[1] * 0, p[4]]))
+    torch.testing.assert_close(m_sel.exp()[0], torch.stack([p[0], p[2] + p[3], p[4] * 0]))
+    zero = torch.zeros(1, 3, dtype=F64)
+    none = torch.full((1, 3), -math.inf, dtype=F64)
+    # Nothing dropped: δ̂ = 0 exactly; nothing selected: δ̂ = 1.
+    assert th.log_page_reuse_certificate(none, m_sel, zero, zero).item() == -math.inf
+    assert th.log_page_reuse_certificate(m_drop, none, zero, zero).item() == 0.0
+    # An empty page (its box min > max) bounds nothing and is skipped.
+    lo = torch.tensor([[0.0, 1.0], [math.inf, math.inf]], dtype=F64)
+    hi = torch.tensor([[1.0, 2.0], [-math.inf, -math.inf]], dtype=F64)
+    one = torch.tensor([1.0, -1.0], dtype=F64)
+    lower, upper = th.page_box_shift_bounds(one, 0 * one, lo, hi, 1.0)
+    assert lower[1].item() == math.inf and upper[1].item() == -math.inf
+    assert lower[0].item() == pytest.approx(-2.0) and upper[0].item() == pytest.approx(0.0)
+
+
+def test_round_to_float32_never_lands_on_the_wrong_side():
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat(
+        [
+            torch.randn(1000, generator=g, dtype=F64)
+            * 10.0 ** torch.randint(-40, 30, (1000,), generator=g),
+            torch.tensor([0.0, 1e-300, -1e-300, 1.0, -math.inf, math.inf], dtype=F64),
+        ]
+    )
+    up, down = th.round_to_float32(x, up=True), th.round_to_float32(x, up=False)
+    assert up.dtype == torch.float32
+    assert bool((up.double() >= x).all()) and bool((down.double() <= x).all())
+    # The nearest float32 on each side: equal, or one step apart.
+    fin = torch.isfinite(x)
+    step = torch.nextafter(down, torch.full_like(down, math.inf))
+    assert bool(((up == down) | (up == step))[fin].all())
+    assert up[-5].item() > 0.0 and down[-4].item() < 0.0  # no underflow to 0
+    assert up[-6].item() == 0.0 and down[-6].item() == 0.0
+    assert (
+        th.round_to_float32(torch.tensor([0.1], dtype=torch.float16), up=True).dtype
+        == torch.float32
+    )
+
+
+def test_float32_certificates_are_never_below_their_float64_value():
+    g = torch.Generator().manual_seed(8)
+    q, q_a = torch.randn(2, 500, 64, generator=g)
+    eps32 = th.logit_shift_bound(q, q_a, 13.7, 0.125)
+    eps64 = (q.double() - q_a.double()).norm(dim=-1) * 13.7 * 0.125
+    assert eps32.dtype == torch.float32 and bool((eps32.double() >= eps64).all())
+    log_d = -torch.rand(500, generator=g) * 30
+    hat32 = th.log_reuse_certificate(log_d, eps32)
+    hat64 = th.log_reuse_certificate(log_d.double(), eps32.double())
+    assert hat32.dtype == torch.float32 and bool((hat32.double() >= hat64).all())
+    # A positive δ̂ far below float32's range stays positive.
+    tiny = th.reuse_certificate(torch.tensor([1e-44]), 0.0)  # a float32 subnormal
+    assert tiny.dtype == torch.float32 and tiny.double().item() >= torch.tensor(1e-44).double()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,6 +799,79 @@ BAD_CALLS = {
         lambda: th.reuse_certificate(torch.tensor([math.nan]), 0.1),
         ValueError,
         "delta_anchor",
+    ),
+    "box-dim": (
+        lambda: th.page_box_shift_bounds(
+            torch.randn(4), torch.randn(4), torch.randn(3, 5), torch.randn(3, 5), 1.0
+        ),
+        ValueError,
+        "D = 4",
+    ),
+    "box-nan-query": (
+        lambda: th.page_box_shift_bounds(
+            torch.tensor([math.nan, 0.0]), torch.zeros(2), torch.zeros(1, 2), torch.ones(1, 2), 1.0
+        ),
+        ValueError,
+        "query holds a non-finite",
+    ),
+    "box-min-max-shape": (
+        lambda: th.page_box_shift_bounds(
+            torch.randn(2), torch.randn(2), torch.zeros(1, 2), torch.ones(3, 2), 1.0
+        ),
+        ValueError,
+        "same shape",
+    ),
+    "box-scaling": (
+        lambda: th.page_box_shift_bounds(
+            torch.randn(2), torch.randn(2), torch.zeros(1, 2), torch.ones(1, 2), 0.0
+        ),
+        ValueError,
+        "scaling",
+    ),
+    "ball-negative-radius": (
+        lambda: th.page_ball_shift_bounds(
+            torch.randn(2), torch.randn(2), torch.zeros(1, 2), torch.tensor([-1.0]), 1.0
+        ),
+        ValueError,
+        "radius",
+    ),
+    "ball-radius-shape": (
+        lambda: th.page_ball_shift_bounds(
+            torch.randn(2), torch.randn(2), torch.zeros(3, 2), torch.ones(2), 1.0
+        ),
+        ValueError,
+        "radius must have shape",
+    ),
+    "page-cert-positive-mass": (
+        lambda: th.log_page_reuse_certificate(
+            torch.tensor([0.5]), torch.tensor([-1.0]), torch.zeros(1), torch.zeros(1)
+        ),
+        ValueError,
+        "log masses",
+    ),
+    "page-cert-nan-bound": (
+        lambda: th.log_page_reuse_certificate(
+            torch.tensor([-1.0]), torch.tensor([-1.0]), torch.zeros(1), torch.tensor([math.nan])
+        ),
+        ValueError,
+        "NaN",
+    ),
+    "page-cert-shape": (
+        lambda: th.log_page_reuse_certificate(
+            torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2)
+        ),
+        ValueError,
+        "same shape",
+    ),
+    "page-masses-size": (
+        lambda: th.page_log_masses(torch.randn(1, 4), torch.ones(1, 4, dtype=torch.bool), 0),
+        ValueError,
+        "page_size",
+    ),
+    "round-int": (
+        lambda: th.round_to_float32(torch.ones(2, dtype=torch.int64), up=True),
+        TypeError,
+        "x",
     ),
     "gqa-not-multiple": (
         lambda: th.group_query_heads(torch.randn(1, 6, 3), 4),

@@ -60,7 +60,27 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "cis": ("cis", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0}),
     "cis-certified": (
         "cis",
-        {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "delta_max": 0.5, "k_max": 16},
+        {
+            "budget": 8,
+            "n_sink": 2,
+            "n_local": 4,
+            "block_size": 2,
+            "delta_max": 0.5,
+            "k_max": 16,
+            "certificate_page": 4,
+        },
+    ),
+    "cis-certified-global": (
+        "cis",
+        {
+            "budget": 8,
+            "n_sink": 2,
+            "n_local": 4,
+            "block_size": 2,
+            "delta_max": 0.5,
+            "k_max": 16,
+            "certificate": "global",
+        },
     ),
     "prhs": ("prhs", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 1, "tau": 0.0}),
     "psaw": ("psaw", {}),
@@ -77,9 +97,10 @@ def make_selector(case: str) -> Any:
 
 
 def supports(case: str, layout: str) -> bool:
-    """Whether ``case`` runs on ``layout`` (Quest's pages need a paged pool of whole pages)."""
-    name, fields = SELECTOR_CASES[case]
-    return not (name == "quest" and layout == "paged" and fields.get("page_size", 16) > 1)
+    """Whether ``case`` runs on ``layout`` (side-cache pages, Quest's or the per-page
+    certificate's, need a paged pool of whole pages)."""
+    page = make_selector(case).side_page_size()
+    return layout == "contiguous" or KV_PAGE_SIZE[layout] % page == 0
 
 
 KV_PAGE_SIZE = {"contiguous": 1, "paged": 1, "paged16": 16}

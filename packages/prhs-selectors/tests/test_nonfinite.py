@@ -14,14 +14,16 @@ BAD_B, BAD_H, LAYER = 1, 1, 1  # the poisoned (sequence, KV head), on layer 1 of
 KW = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8, "num_layers": 2, "max_new_tokens": 4}
 
 
-def _bad_part(name: str, t: torch.Tensor, loc: torch.Tensor) -> tuple | None:
+def _bad_part(name: str, t: torch.Tensor, loc: torch.Tensor, page: int) -> tuple | None:
     """The index of the poisoned row's entries in state tensor ``name``, or ``None`` when the
-    tensor holds nothing per (sequence, layer, KV head)."""
+    tensor holds nothing per (sequence, layer, KV head). ``page``: the side cache's."""
     kind, field = name.split(".", 1) if "." in name else ("", name)
     if kind == "pool" and t.ndim >= 3:  # [slots, L, Hkv, ...] (slot = batch row here)
         return (BAD_B, LAYER, BAD_H)
     if kind == "side" and field.startswith("h2o"):  # [locations, L, Hkv]
         return (loc[BAD_B][loc[BAD_B] >= 0], LAYER, BAD_H)
+    if kind == "side" and field == "cis_page_logm":  # [pages, L, Hkv, g, 2]: the anchor's
+        return (torch.unique(loc[BAD_B][loc[BAD_B] >= 0] // page), LAYER, BAD_H)
     return None
 
 
@@ -81,7 +83,7 @@ def test_a_nonfinite_query_is_skipped(make_sim, tools, case, layout, value) -> N
         a, b, w = after[name], before[name], twin_after[name]
         if name.startswith("side.h2o") and layout == "contiguous":
             assert torch.equal(loc, twin_loc)
-        part = _bad_part(name, a, loc)
+        part = _bad_part(name, a, loc, state.side.page_size if state.side else 1)
         if part is not None:
             assert torch.equal(a[part], b[part]), f"{name} of the skipped row changed"
             a, w = a.clone(), w.clone()

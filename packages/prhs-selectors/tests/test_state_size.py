@@ -39,13 +39,28 @@ def test_quest_page_bounds_are_at_most_an_eighth_of_the_k_pool() -> None:
 
 @pytest.mark.parametrize(
     ("name", "fields"),
-    [("cis", {}), ("cis", {"delta_max": 0.1}), ("prhs", {}), ("prhs", {"delta_max": 0.1})],
-    ids=["cis", "cis-certified", "prhs", "prhs-certified"],
+    [
+        ("cis", {}),
+        ("cis", {"delta_max": 0.1}),
+        ("cis", {"delta_max": 0.1, "certificate": "global"}),
+        ("prhs", {}),
+        ("prhs", {"delta_max": 0.1}),
+    ],
+    ids=["cis", "cis-certified", "cis-certified-global", "prhs", "prhs-certified"],
 )
 def test_cis_state_is_at_most_one_mib_per_request(name, fields) -> None:
-    sizes = _sizes(selectors.create(name, **fields))
+    sel = selectors.create(name, **fields)
+    sizes = _sizes(sel)
     assert 0 < sizes["per_request"] <= MiB, sizes["per_request"] / MiB
-    assert sizes["side_cache"] == 0
+    if not sel.uses_side_cache():
+        assert sizes["side_cache"] == 0
+        return
+    # The per-page certificate: per page of 16 locations, layer and KV head, the key box (2·D
+    # bf16) and the anchor's two float32 masses per query head: 13.3 % of the K pool.
+    g = SPEC.num_q_heads // SPEC.num_kv_heads
+    per_page = SPEC.num_layers * SPEC.num_kv_heads * (2 * SPEC.head_dim * 2 + 2 * g * 4)
+    assert sizes["side_cache"] == (LOCATIONS // PAGE + 1) * per_page
+    assert sizes["side_cache"] <= K_POOL_BYTES * 0.134
 
 
 def test_h2o_side_cache_is_reported() -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "entropy_continuity_bound",
     "group_query_heads",
     "log_dropped_mass",
+    "log_page_reuse_certificate",
     "log_reuse_certificate",
     "logit_shift_bound",
     "mi_loss_bound",
@@ -53,11 +54,15 @@ __all__ = [
     "oracle_topk_mask",
     "output_error",
     "output_error_bound",
+    "page_ball_shift_bounds",
+    "page_box_shift_bounds",
+    "page_log_masses",
     "ranks_from_order",
     "restricted_probs",
     "retained_mass",
     "retained_mass_gap",
     "reuse_certificate",
+    "round_to_float32",
     "routing_mutual_information",
     "sparse_output",
     "tail_mean",
@@ -342,6 +347,51 @@ def mi_loss_bound(deltas: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # the pre-hoc reuse certificate
 # --------------------------------------------------------------------------------------------
+#: Unit roundoff of float64.
+_U64 = 2.0**-53
+#: Added to every float64 log-space certificate: covers the rounding of its log-sum-exps (a sum
+#: of ``n`` terms errs by at most ``n·2⁻⁵³`` relatively; ``1e-9`` covers ``n`` up to ``10⁷``).
+_LOG_SLACK = 1e-9
+
+
+def _gamma(n: int) -> float:
+    """``γ_n = n·u / (1 − n·u)``: a float64 dot product of length ``n`` errs by at most
+    ``γ_n · Σ|terms|`` (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1)."""
+    return n * _U64 / (1 - n * _U64)
+
+
+def _check_scaling(scaling: object) -> float:
+    if (
+        isinstance(scaling, bool)
+        or not isinstance(scaling, int | float)
+        or not math.isfinite(scaling)
+        or scaling <= 0
+    ):
+        raise ValueError(f"scaling must be a positive finite float, got {scaling!r}")
+    return float(scaling)
+
+
+def round_to_float32(x: torch.Tensor, *, up: bool) -> torch.Tensor:
+    """``x`` (float64) as float32, rounded toward ``+inf`` (``up=True``) or ``-inf``.
+
+    An upper bound stored in float32 must not land below its float64 value (round-to-nearest
+    does half the time), nor a positive one underflow to 0: rounded up, ``1e-300`` is stored as
+    the smallest float32 subnormal. Other dtypes are converted as they are.
+    """
+    check_float_tensor("x", x)
+    y = x.to(torch.float32)
+    if x.dtype != torch.float64:
+        return y
+    toward = torch.full_like(y, math.inf if up else -math.inf)
+    wrong = y.double() < x if up else y.double() > x
+    return torch.where(wrong, torch.nextafter(y, toward), y)
+
+
+def _finish(bound64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 upper bound in the caller's working dtype, rounded up where it narrows."""
+    return bound64 if dtype == torch.float64 else round_to_float32(bound64, up=True)
+
+
 def logit_shift_bound(
     query: torch.Tensor,
     anchor: torch.Tensor,
@@ -351,27 +401,206 @@ def logit_shift_bound(
     """``ε = ‖q − q_a‖ · K_max · scaling``: no logit moves by more than ``ε`` from ``q_a`` to ``q``.
 
     ``query``, ``anchor``: ``[..., D]``; ``key_norm_max``: broadcastable to ``[...]``
-    (the largest key norm of the head); ``scaling``: ``1/sqrt(D)`` usually. Returns ``[...]``.
+    (the largest key norm of the head); ``scaling``: ``1/sqrt(D)`` usually. Returns ``[...]``,
+    float64 for float64 inputs, else float32. It is computed in float64 and widened by that
+    arithmetic's worst rounding, and a float32 result is rounded up: it is never below the
+    exact value.
     """
     check_float_tensor("query", query, min_ndim=1)
     check_float_tensor("anchor", anchor, min_ndim=1)
     check_same_shape(("query", "anchor"), (query, anchor))
-    if (
-        isinstance(scaling, bool)
-        or not isinstance(scaling, int | float)
-        or not math.isfinite(scaling)
-        or scaling <= 0
-    ):
-        raise ValueError(f"scaling must be a positive finite float, got {scaling!r}")
-    kmax = _as_tensor(key_norm_max, query)
+    scale = _check_scaling(scaling)
+    # A float K_max stays float64 (13.7 in float32 is below 13.7).
+    kmax = _as_tensor(key_norm_max)
+    if not isinstance(key_norm_max, torch.Tensor):
+        kmax = kmax.to(query.device)
     check_device(("query", "anchor", "key_norm_max"), (query, anchor, kmax))
     check_values_finite("query", query)
     check_values_finite("anchor", anchor)
     check_values_finite("key_norm_max", kmax)
     if kmax.numel() and bool((kmax < 0).any()):
         raise ValueError("key_norm_max must be >= 0")
-    diff = (_work_dtype(query) - _work_dtype(anchor)).norm(dim=-1)
-    return diff * kmax.to(diff.dtype) * float(scaling)
+    eps = (query.double() - anchor.double()).norm(dim=-1) * kmax.double() * scale
+    # The difference, D squares, their sum, the root and two products: (D + 5) roundings.
+    eps = eps * (1 + _gamma(query.shape[-1] + 5))
+    return _finish(eps, _work_dtype(query).dtype)
+
+
+def _query_change(
+    query: torch.Tensor,
+    anchor: torch.Tensor,
+    names: tuple[str, str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
+    check: bool,
+) -> torch.Tensor:
+    """``(q − q_a)·scaling`` in float64, ``[..., 1, D]``, after the shared input checks."""
+    check_float_tensor("query", query, min_ndim=1)
+    check_float_tensor("anchor", anchor, min_ndim=1)
+    check_same_shape(("query", "anchor"), (query, anchor))
+    check_float_tensor(names[0], a, min_ndim=2)
+    check_float_tensor(names[1], b, min_ndim=1)
+    check_device(("query", "anchor", *names), (query, anchor, a, b))
+    scale = _check_scaling(scaling)
+    if check:
+        check_values_finite("query", query)
+        check_values_finite("anchor", anchor)
+    if a.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"{names[0]} [..., P, D] must have D = {query.shape[-1]} (the query's last "
+            f"dimension), got {list(a.shape)}"
+        )
+    # Exact for float32 queries; float64 ones round once here, counted in the slack.
+    return (query.double() - anchor.double()).unsqueeze(-2) * scale
+
+
+def page_box_shift_bounds(
+    query: torch.Tensor,
+    anchor: torch.Tensor,
+    key_min: torch.Tensor,
+    key_max: torch.Tensor,
+    scaling: float,
+    *,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page, ``l_P ≤ Δq·k·scaling ≤ u_P`` for every key ``k`` of the page, ``Δq = q − q_a``.
+
+    A page whose keys lie in the box ``key_min ≤ k ≤ key_max`` (per channel, Quest's page
+    metadata) gets ``u_P = Σ_j max(Δ_j·min_j, Δ_j·max_j)`` and ``l_P = Σ_j min(Δ_j·min_j,
+    Δ_j·max_j)``, times ``scaling``: the extremes of a linear function over a box, reached at
+    its corners. ``query``, ``anchor``: ``[..., D]``; ``key_min``, ``key_max``:
+    ``[..., P, D]``, leading dimensions broadcast with the queries'. Returns ``(lower,
+    upper)``, ``[..., P]`` float64, widened by the float64 arithmetic's worst rounding. A page
+    with no key (``min = +inf``, ``max = -inf``, as an unwritten side-cache page) gets
+    ``(+inf, -inf)``: nothing to bound. ``check=False`` skips the value checks (which read
+    device values on the host), for the decode path.
+    """
+    check_same_shape(("key_min", "key_max"), (key_min, key_max))
+    dq = _query_change(query, anchor, ("key_min", "key_max"), key_min, key_max, scaling, check)
+    lo, hi = key_min.double(), key_max.double()
+    empty = (lo > hi).any(-1)
+    lo = torch.where(empty.unsqueeze(-1), 0.0, lo)
+    hi = torch.where(empty.unsqueeze(-1), 0.0, hi)
+    if check and not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+        raise ValueError("key_min and key_max must be finite on every non-empty page")
+    pos, neg = dq.clamp_min(0), dq.clamp_max(0)
+    upper = (pos * hi + neg * lo).sum(-1)
+    lower = (pos * lo + neg * hi).sum(-1)
+    # The difference, its scaling, D products and their sum: (D + 2) roundings of terms at most
+    # |Δ_j|·max|k_j|.
+    slack = _gamma(dq.shape[-1] + 2) * (dq.abs() * torch.maximum(lo.abs(), hi.abs())).sum(-1)
+    upper = torch.where(empty, -math.inf, upper + slack)
+    lower = torch.where(empty, math.inf, lower - slack)
+    return lower, upper
+
+
+def page_ball_shift_bounds(
+    query: torch.Tensor,
+    anchor: torch.Tensor,
+    centre: torch.Tensor,
+    radius: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page, ``Δq·c_P·s − ‖Δq‖·r_P·s ≤ Δq·k·s ≤ Δq·c_P·s + ‖Δq‖·r_P·s`` (Cauchy–Schwarz),
+    for every key ``k`` with ``‖k − c_P‖ ≤ r_P``.
+
+    ``query``, ``anchor``: ``[..., D]``; ``centre``: ``[..., P, D]``; ``radius``: ``[..., P]``
+    (``>= 0``; ``-inf`` marks a page with no key, which gets ``(+inf, -inf)``); ``scaling``: ``s``.
+    Returns ``(lower, upper)``, ``[..., P]`` float64, widened by the float64 arithmetic's worst
+    rounding. The alternative to :func:`page_box_shift_bounds` that reads ``D + 1`` numbers a
+    page instead of ``2D``; it is never tighter than the box around the same ball.
+    """
+    dq = _query_change(query, anchor, ("centre", "radius"), centre, radius, scaling, True)
+    if tuple(radius.shape) != tuple(centre.shape[:-1]):
+        raise ValueError(
+            f"radius must have shape {list(centre.shape[:-1])} (centre's without D), "
+            f"got {list(radius.shape)}"
+        )
+    r = radius.double()
+    empty = r == -math.inf
+    if bool((r[~empty] < 0).any()) or not bool(torch.isfinite(r[~empty]).all()):
+        raise ValueError("radius must be finite and >= 0 (or -inf for a page with no key)")
+    c = torch.where(empty.unsqueeze(-1), 0.0, centre.double())
+    if not bool(torch.isfinite(c).all()):
+        raise ValueError("centre must be finite on every non-empty page")
+    mid = (dq * c).sum(-1)
+    spread = dq.norm(dim=-1) * r.clamp_min(0)
+    d = dq.shape[-1]
+    slack = _gamma(d + 2) * (dq.abs() * c.abs()).sum(-1) + _gamma(d + 5) * spread
+    upper = torch.where(empty, -math.inf, mid + spread + slack)
+    lower = torch.where(empty, math.inf, mid - spread - slack)
+    return lower, upper
+
+
+def page_log_masses(
+    logits: torch.Tensor,
+    selected: torch.Tensor,
+    page_size: int,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per aligned page of ``page_size`` positions, ``log`` of the attention mass outside and
+    inside ``S``: ``(log m^drop, log m^sel)``, each ``[..., ⌈T / page_size⌉]`` float64,
+    ``-inf`` for none. What :func:`log_page_reuse_certificate` keeps of the anchor query."""
+    check_int("page_size", page_size, minimum=1)
+    work, sel, _ = _prep(logits, selected, valid)
+    assert sel is not None
+    work = work.double()
+    lse_all = torch.logsumexp(work, dim=-1, keepdim=True)
+    t = work.shape[-1]
+    pad = -t % page_size
+    shape = (*work.shape[:-1], (t + pad) // page_size, page_size)
+
+    def pages(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (0, pad), value=_NEG_INF).reshape(shape)
+        return torch.logsumexp(x, dim=-1) - lse_all
+
+    return pages(work.masked_fill(sel, _NEG_INF)), pages(work.masked_fill(~sel, _NEG_INF))
+
+
+def log_page_reuse_certificate(
+    log_mass_dropped: torch.Tensor,
+    log_mass_selected: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """``log δ̂`` of the per-page certificate ``δ̂ = A / (A + C)``, with
+    ``A = Σ_P m_P^drop·e^{u_P}`` and ``C = Σ_P m_P^sel·e^{l_P}``.
+
+    ``m_P^drop`` and ``m_P^sel`` are the anchor query's attention mass in page ``P`` outside and
+    inside the set ``S`` it chose (``log_mass_*``: their logs, ``-inf`` for none), ``[l_P, u_P]``
+    bounds the change of every logit of the page from the anchor query to the new one
+    (:func:`page_box_shift_bounds`, :func:`page_ball_shift_bounds`). Then ``δ(S; q) ≤ δ̂``,
+    provided every position added since the anchor is read (see the Theory page for the
+    proof). All four ``[..., P]``; returns ``[...]`` float64, raised by a margin that covers its
+    rounding. With ``l_P = −ε`` and ``u_P = ε`` on every page it is
+    :func:`log_reuse_certificate`. The bound is unchanged when every ``l_P`` and ``u_P`` move
+    by one constant, so a common component of the logit change costs nothing. ``check=False``
+    skips the value checks, for the decode path (a NaN then gives a NaN, which certifies
+    nothing).
+    """
+    names = ("log_mass_dropped", "log_mass_selected", "lower", "upper")
+    tensors = (log_mass_dropped, log_mass_selected, lower, upper)
+    for name, t in zip(names, tensors, strict=True):
+        check_float_tensor(name, t, min_ndim=1)
+    check_same_shape(names, tensors)
+    check_device(names, tensors)
+    md, ms = log_mass_dropped.double(), log_mass_selected.double()
+    lo, hi = lower.double(), upper.double()
+    if check:
+        if bool((torch.isnan(md) | torch.isnan(ms) | (md > _LOG_SLACK) | (ms > _LOG_SLACK)).any()):
+            raise ValueError("log masses must be <= 0 and not NaN (a page's mass lies in [0, 1])")
+        if bool((torch.isnan(lo) | torch.isnan(hi)).any()):
+            raise ValueError("lower and upper must not be NaN")
+    # A page without dropped (selected) mass adds nothing to A (C), whatever its bound.
+    a = torch.logsumexp(torch.where(torch.isneginf(md), -math.inf, md + hi), dim=-1)
+    c = torch.logsumexp(torch.where(torch.isneginf(ms), -math.inf, ms + lo), dim=-1)
+    out = a - torch.logaddexp(a, c) + _LOG_SLACK
+    out = torch.where(torch.isposinf(a) | torch.isneginf(c), torch.zeros_like(out), out)
+    out = torch.where(torch.isneginf(a), a, out)
+    return out.clamp_max(0.0)
 
 
 def log_reuse_certificate(
@@ -380,8 +609,10 @@ def log_reuse_certificate(
     """``log δ̂`` with ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a)``, from ``log δ_a``.
 
     Working in log space keeps a tiny anchor mass (``log δ_a = −800``) from rounding to zero.
-    ``check=False`` skips the value checks (which read device values on the host), for the
-    decode path; a NaN ``ε`` then gives a NaN bound, which certifies nothing.
+    Computed in float64 and raised by a margin that covers its rounding; a float32 input gets
+    the result rounded up to float32. ``check=False`` skips the value checks (which read device
+    values on the host), for the decode path; a NaN ``ε`` then gives a NaN bound, which
+    certifies nothing.
     """
     check_float_tensor("log_delta_anchor", log_delta_anchor)
     e = _as_tensor(eps, log_delta_anchor)
@@ -392,13 +623,14 @@ def log_reuse_certificate(
             raise ValueError("log_delta_anchor must be <= 0 and not NaN (δ_a lies in [0, 1])")
         if e.numel() and bool((torch.isnan(e) | (e < 0)).any()):
             raise ValueError("eps must be >= 0")
-    la = _work_dtype(log_delta_anchor)
-    a = la + 2 * e.to(la.dtype)
+    la = log_delta_anchor.double()
+    a = la + 2 * e.double()
     b = torch.log1p(-torch.exp(la))  # log(1 − δ_a), -inf when δ_a = 1
-    out = a - torch.logaddexp(a, b)
+    out = (a - torch.logaddexp(a, b) + _LOG_SLACK).clamp_max(0.0)
     # δ_a = 0 keeps δ̂ = 0 whatever ε; an infinite shift with δ_a > 0 certifies nothing (δ̂ = 1).
     out = torch.where(torch.isposinf(a), torch.zeros_like(out), out)
-    return torch.where(torch.isneginf(la), la, out)
+    out = torch.where(torch.isneginf(la), la, out)
+    return _finish(out, _work_dtype(log_delta_anchor).dtype)
 
 
 def reuse_certificate(
@@ -408,11 +640,13 @@ def reuse_certificate(
 
     If ``S`` was chosen for an anchor query with dropped mass ``δ_a`` and every logit moves by at
     most ``ε`` (:func:`logit_shift_bound`), then ``δ(S; q) ≤ δ̂``, provided every position added
-    since the anchor is inside ``S``.
+    since the anchor is inside ``S``. Under GQA this holds per query head, with that head's
+    ``δ_a`` and ``ε``.
     """
     d = _as_tensor(delta_anchor)
     check_probability("delta_anchor", d)
-    return torch.exp(log_reuse_certificate(torch.log(d), eps))
+    log_hat = log_reuse_certificate(torch.log(d.double()), eps)
+    return _finish(torch.exp(log_hat), _work_dtype(d).dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,7 +45,13 @@ from prhs_kernels.paths import kernel_path
 from prhs_kernels.score import check_query, nonfinite_rows, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
-__all__ = ["ROW_STRIDE_ALIGN", "BaseSelector", "group_probs", "nonfinite_rows"]
+__all__ = [
+    "ROW_STRIDE_ALIGN",
+    "BaseSelector",
+    "fold_page_bounds",
+    "group_probs",
+    "nonfinite_rows",
+]
 
 ROW_STRIDE_ALIGN = 256
 """Contiguous layouts: side-cache rows are ``max_seq_len`` rounded up to a multiple of this many
@@ -55,6 +61,37 @@ locations and of the selector's side-cache page size, so every row starts on a p
 def group_probs(logits: torch.Tensor) -> torch.Tensor:
     """``[B, Hkv, T]``: the group-mean attention probability of ``logits [B, Hkv, g, T]``."""
     return torch.softmax(logits, dim=-1).mean(2)
+
+
+def fold_page_bounds(
+    side: SideCache,
+    min_field: str,
+    max_field: str,
+    row: int,
+    locations: torch.Tensor,
+    key: torch.Tensor,
+    finite: torch.Tensor,
+) -> None:
+    """Fold keys into the per-page channel minima and maxima of side fields ``min_field`` /
+    ``max_field`` (shape ``[pages + 1, rows, Hkv, D]``; ``row``: the layer's row).
+
+    ``locations [N]`` int64 (``-1``: none), ``key [N, Hkv, D]``, ``finite [N]``. A page's first
+    location resets it (so no stale metadata survives the page's reuse); later ones fold in. A
+    non-finite key resets its page but is not folded in. Exact in the cache dtype: a minimum or
+    maximum of cached values is a cached value.
+    """
+    kmin = side[min_field][:, row]  # [P + 1, Hkv, D], a view
+    kmax = side[max_field][:, row]
+    page = side.pages_of(locations)
+    first = torch.where(
+        (locations >= 0) & (locations % side.page_size == 0), page, side.scratch_page
+    )
+    kmin.index_fill_(0, first, float("inf"))
+    kmax.index_fill_(0, first, float("-inf"))
+    k = key.to(kmin.dtype)
+    at = torch.where(finite, page, side.scratch_page).view(-1, 1, 1).expand_as(k)
+    kmin.scatter_reduce_(0, at, k, "amin", include_self=True)
+    kmax.scatter_reduce_(0, at, k, "amax", include_self=True)
 
 
 class BaseSelector:

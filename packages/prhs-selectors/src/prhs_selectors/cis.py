@@ -11,16 +11,21 @@ slides, and the positions leaving it are read by nobody until the next retrieval
 Two reuse rules:
 
 - paper mode (``delta_max=None``): reuse iff ``cos(q, q_a) ≥ τ`` and ``t − t_a ≤ n_local``;
-- certified mode (``delta_max`` set): reuse iff the pre-hoc certificate
-  ``δ̂ = δ_a e^{2ε} / (δ_a e^{2ε} + 1 − δ_a) ≤ δ_max`` holds, with
-  ``ε = max_h ‖q_h − q_{a,h}‖ · K_max · scaling``, and also the paper rule unless
-  ``require_cosine=False``. A retrieval then picks the smallest top set with
-  ``δ ≤ delta_target`` (top-p), capped at ``k_max`` positions.
+- certified mode (``delta_max`` set): reuse iff a pre-hoc certificate ``δ̂_h ≤ δ_max`` holds
+  for every query head ``h`` of the group, and also the paper rule unless
+  ``require_cosine=False``. The certificate is per page (``certificate="page"``, the default):
+  ``δ̂_h = A_h / (A_h + C_h)`` with ``A_h = Σ_P m^drop_{P,h} e^{u_{P,h}}``,
+  ``C_h = Σ_P m^sel_{P,h} e^{l_{P,h}}``, the anchor's per-page masses and the bounds of the
+  logit change ``(q_h − q_{a,h})·k·scaling`` over each page's key box; or global
+  (``certificate="global"``): ``δ̂_h = δ_{a,h} e^{2ε_h} / (δ_{a,h} e^{2ε_h} + 1 − δ_{a,h})`` with
+  ``ε_h = ‖q_h − q_{a,h}‖ · K_max · scaling``. A retrieval picks the smallest top set whose
+  dropped mass is at most ``delta_target`` for every query head, capped at ``k_max`` positions.
 
-Reading of the certificate's anchor set (ours): ``δ_a`` is the anchor query's dropped mass of
-``A = sink ∪ dilate(S_a)``. Every later reuse reads ``A``, plus the local window, which holds
-every position added since the anchor (``t − t_a ≤ n_local``). So ``δ(S_t; q) ≤ δ̂`` holds for
-the set actually read, with no assumption on the local window at anchor time.
+Reading of the certificate's anchor set (ours): ``A = sink ∪ S_a ∪ dilate(S_a)``, with the
+anchor's local window too under ``hold_local`` (a reuse then reads the local window from where
+the anchor's started). Every later reuse reads ``A``, plus the local window, which holds every
+position added since the anchor (``t − t_a ≤ n_local``). So ``δ_h(S_t; q) ≤ δ̂_h`` holds for
+the set actually read, for each query head.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
-from prhs_core.theory import log_reuse_certificate
+from prhs_core.theory import (
+    log_page_reuse_certificate,
+    log_reuse_certificate,
+    page_box_shift_bounds,
+    round_to_float32,
+)
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.cis import (
     check_block_score,
@@ -51,13 +61,20 @@ from prhs_kernels.cis import (
     top_blocks,
 )
 from prhs_kernels.compose import dilate_indices
-from prhs_kernels.kv import gather_kv
-from prhs_kernels.score import max_key_norm, retrieval_probs, score_keys
-from prhs_kernels.topk import top_p_indices, topk_indices
-from prhs_selectors.base import BaseSelector
+from prhs_kernels.kv import gather_kv, token_locations
+from prhs_kernels.score import max_key_norm, score_keys
+from prhs_kernels.topk import topk_indices
+from prhs_selectors.base import BaseSelector, fold_page_bounds
 from prhs_selectors.cis_calibration import TAU_GRID, ReplayConfig, choose_tau, replay_curves
 
-__all__ = ["AUTO_TAU", "CIS", "FALLBACK_TAU", "CISConfig", "group_log_dropped_mass"]
+__all__ = [
+    "AUTO_TAU",
+    "CERTIFICATES",
+    "CIS",
+    "FALLBACK_TAU",
+    "CISConfig",
+    "group_log_dropped_mass",
+]
 
 NEG_INF = float("-inf")
 
@@ -66,6 +83,9 @@ AUTO_TAU = "auto"
 #: The threshold of a row ``tau="auto"`` could not calibrate (a prompt too short, a host that
 #: shows no prompt).
 FALLBACK_TAU = 0.72
+#: Certified mode's certificates, and the page of the per-page one (positions).
+CERTIFICATES = ("page", "global")
+DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
 DEFAULT_TARGET_RHO = 0.28
 DEFAULT_PROMPT_QUERIES = 32
@@ -150,7 +170,14 @@ class CISConfig(SelectorConfig):
     r:
         Dilation radius: each dilated ``p`` adds ``p ± j`` for ``1 ≤ j ≤ r``.
     delta_max:
-        Certified mode when set: reuse only if ``δ̂ ≤ delta_max``.
+        Certified mode when set: reuse only if every query head's ``δ̂ ≤ delta_max``.
+    certificate:
+        Certified mode's bound: ``"page"`` (the default), per page of ``certificate_page``
+        positions from each page's key minima and maxima and the anchor's per-page masses, or
+        ``"global"``, one ``ε`` from the largest key norm.
+    certificate_page:
+        Positions per page of the per-page certificate (default 16). A paged KV pool must use
+        pages of a multiple of it.
     require_cosine:
         In certified mode, also require the paper rule (``True``: "additionally") or use the
         certificate alone (``False``: "instead").
@@ -172,6 +199,8 @@ class CISConfig(SelectorConfig):
     n_den: int = 3
     r: int = 1
     delta_max: float | None = None
+    certificate: str | None = None
+    certificate_page: int | None = None
     require_cosine: bool = True
     delta_target: float | None = None
     k_max: int | None = None
@@ -192,9 +221,23 @@ class CISConfig(SelectorConfig):
                 raise ValueError(
                     "require_cosine=False needs delta_max: there would be no reuse rule"
                 )
-            if self.delta_target is not None or self.k_max is not None:
-                raise ValueError("delta_target and k_max apply to certified mode: set delta_max")
+            if (
+                self.delta_target is not None
+                or self.k_max is not None
+                or self.certificate is not None
+                or self.certificate_page is not None
+            ):
+                raise ValueError(
+                    "delta_target, k_max, certificate and certificate_page apply to certified "
+                    "mode: set delta_max"
+                )
             return
+        if self.certificate is not None and self.certificate not in CERTIFICATES:
+            raise ValueError(f"certificate must be one of {CERTIFICATES}, got {self.certificate!r}")
+        if self.certificate_page is not None:
+            check_int("certificate_page", self.certificate_page, minimum=1)
+            if self.certificate == "global":
+                raise ValueError("certificate_page applies to certificate='page'")
         check_probability("delta_max", self.delta_max)
         if not 0.0 < self.delta_max < 1.0:
             raise ValueError(f"delta_max must lie in (0, 1), got {self.delta_max}")
@@ -242,6 +285,16 @@ class CISConfig(SelectorConfig):
     def certified(self) -> bool:
         """Whether the certificate gates reuse."""
         return self.delta_max is not None
+
+    @property
+    def page_certified(self) -> bool:
+        """Whether the per-page certificate gates reuse."""
+        return self.certified and (self.certificate or "page") == "page"
+
+    @property
+    def page_size(self) -> int:
+        """Positions per page of the per-page certificate."""
+        return self.certificate_page or DEFAULT_CERTIFICATE_PAGE
 
     @property
     def retrieval_target(self) -> float:
@@ -325,6 +378,32 @@ class CIS(BaseSelector):
         wl = cis_local_width(c.n_local, c.block_size, c.hold_local)
         return ws + self.anchor_width() + 2 * c.r * self.dilation_m() + wl
 
+    @property
+    def state_per_location(self) -> bool:  # type: ignore[override]
+        """The per-page certificate keeps the anchor's masses per KV page: a page shared by
+        two requests (a prefix cache) would mix them."""
+        return self.config.page_certified
+
+    def side_page_size(self) -> int:
+        """The per-page certificate's page (1 otherwise: no side cache)."""
+        return self.config.page_size if self.config.page_certified else 1
+
+    def uses_side_cache(self) -> bool:
+        """The per-page certificate keeps each page's key minima and maxima."""
+        return self.config.page_certified
+
+    def write_side(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        finite: torch.Tensor,
+    ) -> None:
+        assert state.side is not None
+        fold_page_bounds(state.side, "cis_kmin", "cis_kmax", layer, locations, key, finite)
+
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim
         # A table goes to the device now, never inside a captured step.
@@ -339,8 +418,19 @@ class CIS(BaseSelector):
         pool.add_field("anchor_len", (n_l, h), torch.int32, 0)
         pool.add_field("anchor_idx", (n_l, h, m), torch.int32, -1)
         pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
-        pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
-        pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
+        if self.config.certified:
+            # Per query head: the certificate bounds each head's dropped mass.
+            pool.add_field("anchor_log_delta", (n_l, h, g), torch.float64, 0.0)
+            pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
+        else:  # cis_compose writes it; paper mode never reads it
+            pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
+        if self.config.page_certified:
+            # Per page of the side cache: the keys' box, and the anchor's masses outside /
+            # inside its set per query head (log, float32 rounded outward).
+            assert state.side is not None
+            state.side.add_page_field("cis_kmin", (n_l, h, d), kv_dtype, float("inf"))
+            state.side.add_page_field("cis_kmax", (n_l, h, d), kv_dtype, float("-inf"))
+            state.side.add_page_field("cis_page_logm", (n_l, h, g, 2), torch.float32, NEG_INF)
         if self.config.auto_tau:
             # The calibrated thresholds, and each layer's replayed curves until all are seen.
             k = len(TAU_GRID)
@@ -635,8 +725,6 @@ class CIS(BaseSelector):
         ta = pool["anchor_len"][:, layer][slots]
         a_idx = pool["anchor_idx"][:, layer][slots]
         a_cnt = pool["anchor_cnt"][:, layer][slots]
-        a_logd = pool["anchor_log_delta"][:, layer][slots]
-        a_kmax = pool["anchor_kmax"][:, layer][slots]
 
         reuse = (ta > 0) & (lens - ta <= c.n_local) & (lens >= ta)
         if c.require_cosine:
@@ -645,14 +733,15 @@ class CIS(BaseSelector):
             if isinstance(tau, torch.Tensor):
                 tau = tau[slots] if tau.ndim == 2 else tau.view(1, -1)
             reuse &= cos >= tau
-        # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
-        offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
-        new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]
-        new_pos = torch.where(new_pos < lens.unsqueeze(-1), new_pos, -1)
-        new_keys, _ = gather_kv(kv, new_pos, values=False)
-        kmax = torch.maximum(a_kmax, new_keys.float().norm(dim=-1).amax(-1))
-        eps = (q - qa).norm(dim=-1).amax(-1) * kmax * plan.scaling  # max over the group
-        log_dhat = log_reuse_certificate(a_logd, eps.double(), check=False)
+        pages = None
+        if c.page_certified:
+            pages = self._pages(kv, state)
+            log_dhat_h, check_bytes = self._page_certificate(
+                plan, layer, q, qa, ta, kv, state, pages
+            )
+        else:
+            log_dhat_h, check_bytes = self._global_certificate(plan, layer, q, qa, ta, kv, state)
+        log_dhat = log_dhat_h.amax(-1)  # [B, H]: every query head of the group
         reuse &= log_dhat <= math.log(c.delta_max)  # type: ignore[arg-type]
         reuse &= ~bad
         retrieve = ~reuse & ~bad
@@ -665,8 +754,9 @@ class CIS(BaseSelector):
         )
 
         # A retrieval scores every key (of the retrieving rows) and reads sink ∪ S_new ∪ local.
-        probs = retrieval_probs(query, kv, plan.scaling, retrieve)
-        new_idx, new_cnt = self._retrieve_certified(kv, probs, bad)
+        # What the bound rests on (the anchor's per-head masses, a retrieval's own δ): float64.
+        logits64 = score_keys(query, kv, plan.scaling, dtype=torch.float64)  # [B, H, g, T]
+        new_idx, new_cnt = self._retrieve_certified(kv, logits64, bad)
         pad = reuse_part.shape[-1] - m_width
         new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
         part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
@@ -678,58 +768,193 @@ class CIS(BaseSelector):
         else:
             sel = self.compose(plan, kv, part)
 
-        # δ_a (of sink ∪ dilate(S_a)) and a retrieval's own δ are what the bound rests on:
-        # float64 logits.
-        logits64 = score_keys(query, kv, plan.scaling, dtype=torch.float64)
         t = kv.max_len
         sink, local = self.windows(kv)
         dil = dilate_indices(new_idx, new_cnt, self.dilation_m(), c.r)
-        anchor_keep = _token_mask([new_idx, dil, sink], s, t, kv.seq_lens)
-        log_d_anchor = group_log_dropped_mass(logits64, anchor_keep)
+        # The anchor's set: every later reuse reads it (the local window too under hold_local,
+        # as the held window starts where the anchor's did).
+        kept_parts = [new_idx, dil, sink] + ([local] if c.hold_local else [])
+        anchor_keep = _token_mask(kept_parts, s, t, kv.seq_lens)
         read = _token_mask([new_idx, sink, local], s, t, kv.seq_lens)
-        exact64 = torch.exp(group_log_dropped_mass(logits64, read))
-        exact = exact64.float()
-        delta_hat = torch.where(retrieve, exact, torch.exp(log_dhat).float())
-        # A retrieval whose top-p set the cap cut: what it reads drops more than its target.
-        # (The set's mass was summed from float32 probabilities: a relative slack of 1e-4.)
-        missed = retrieve & (exact64 > c.retrieval_target * (1 + 1e-4))
-        new_kmax = max_key_norm(kv)
+        exact_h = _head_log_dropped_mass(logits64, read)  # [B, H, g]
+        exact = exact_h.amax(-1).exp()
+        delta_hat = round_to_float32(torch.where(retrieve, exact, log_dhat.exp()), up=True)
+        # A retrieval whose top-p set the cap cut: what it reads drops more than its target for
+        # some head. (The set's masses are float64 sums: a relative slack of 1e-9.)
+        missed = retrieve & (exact > c.retrieval_target * (1 + 1e-9))
 
         r = retrieve
         pool["anchor_q"][:, layer][slots] = torch.where(r[..., None, None], q, qa)
         pool["anchor_len"][:, layer][slots] = torch.where(r, lens, ta)
         pool["anchor_idx"][:, layer][slots] = torch.where(r.unsqueeze(-1), new_idx, a_idx)
         pool["anchor_cnt"][:, layer][slots] = torch.where(r, new_cnt, a_cnt)
-        pool["anchor_log_delta"][:, layer][slots] = torch.where(r, log_d_anchor, a_logd)
-        pool["anchor_kmax"][:, layer][slots] = torch.where(r, new_kmax, a_kmax)
+        if c.page_certified:
+            assert state.side is not None and pages is not None
+            logm = _page_log_masses(logits64, anchor_keep, c.page_size)  # [B, H, g, 2, P]
+            stored = torch.stack(
+                [
+                    round_to_float32(logm[..., 0, :], up=True),
+                    round_to_float32(logm[..., 1, :], up=False),
+                ],
+                -2,
+            ).permute(0, 4, 1, 2, 3)  # [B, P, H, g, 2]
+            field = state.side["cis_page_logm"][:, layer]  # [pages + 1, H, g, 2], a view
+            old = field[pages]
+            field[pages] = torch.where(r[:, None, :, None, None], stored, old)
+        else:
+            a_logd = pool["anchor_log_delta"][:, layer][slots]
+            log_d_anchor = _head_log_dropped_mass(logits64, anchor_keep)
+            pool["anchor_log_delta"][:, layer][slots] = torch.where(
+                r.unsqueeze(-1), log_d_anchor, a_logd
+            )
+            a_kmax = pool["anchor_kmax"][:, layer][slots]
+            new_kmax = round_to_float32(max_key_norm(kv).double(), up=True)
+            pool["anchor_kmax"][:, layer][slots] = torch.where(r, new_kmax, a_kmax)
 
-        proxy = torch.where(retrieve, self.retrieval_bytes(kv), float(g * d * 4))
+        proxy = torch.where(retrieve, self.retrieval_bytes(kv), check_bytes)
         self.record(plan, layer, kv, sel, retrieve, proxy, delta_hat, missed)
         return sel
 
+    def _global_certificate(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        q: torch.Tensor,
+        qa: torch.Tensor,
+        ta: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log δ̂ [B, H, g]`` of the global certificate, and the bytes its check reads."""
+        c = self.config
+        pool, slots = state.pool, plan.slots
+        lens = kv.seq_lens.view(-1, 1)
+        # K_max over every key: the anchor's, and the (at most n_local + 1) keys since.
+        offs = torch.arange(c.n_local + 1, device=lens.device, dtype=torch.int32)
+        new_pos = ta.unsqueeze(-1) + offs  # [B, H, n_local + 1]
+        new_pos = torch.where(new_pos < lens.unsqueeze(-1), new_pos, -1)
+        new_keys, _ = gather_kv(kv, new_pos, values=False)
+        a_kmax = pool["anchor_kmax"][:, layer][slots]
+        kmax = torch.maximum(a_kmax.double(), new_keys.double().norm(dim=-1).amax(-1))
+        d = q.shape[-1]
+        # Per query head; float64 with a margin for its rounding (the difference is exact).
+        eps = (q.double() - qa.double()).norm(dim=-1) * kmax.unsqueeze(-1) * plan.scaling
+        eps = eps * (1 + (d + 5) * 2.0**-52)
+        a_logd = pool["anchor_log_delta"][:, layer][slots]
+        log_dhat = log_reuse_certificate(a_logd, eps, check=False)
+        elem = torch.empty((), dtype=kv.dtype).element_size()
+        g = q.shape[2]
+        meta = float((c.n_local + 1) * d * elem + g * d * 4 + g * 8 + 4)
+        return log_dhat, torch.full_like(a_kmax, meta, dtype=torch.float64)
+
+    def _pages(self, kv: KVLayout, state: SelectorState) -> torch.Tensor:
+        """``[B, P]`` side-cache page rows of each sequence's pages (scratch past the end)."""
+        assert state.side is not None
+        p = self.config.page_size
+        n_pages = -(-kv.max_len // p)
+        first = torch.arange(n_pages, device=kv.seq_lens.device) * p
+        b = kv.batch_size
+        loc = token_locations(kv, first.view(1, -1).expand(b, -1), state.row_stride)
+        return state.side.pages_of(loc)
+
+    def _page_certificate(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        q: torch.Tensor,
+        qa: torch.Tensor,
+        ta: torch.Tensor,
+        kv: KVLayout,
+        state: SelectorState,
+        pages: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log δ̂ [B, H, g]`` of the per-page certificate, and the bytes its check reads: each
+        anchor page's key box (``2·D`` cache elements) and the anchor's two masses per query
+        head, plus the anchor's queries."""
+        side = state.side
+        assert side is not None
+        p = self.config.page_size
+        _, _, g, d = q.shape
+        kmin = side["cis_kmin"][:, layer][pages].permute(0, 2, 1, 3).unsqueeze(2)
+        kmax = side["cis_kmax"][:, layer][pages].permute(0, 2, 1, 3).unsqueeze(2)
+        lower, upper = page_box_shift_bounds(q, qa, kmin, kmax, plan.scaling, check=False)
+        logm = side["cis_page_logm"][:, layer][pages].permute(0, 2, 3, 4, 1)  # [B, H, g, 2, P]
+        # Only the anchor's pages hold its masses (later ones may hold a former request's).
+        first = torch.arange(pages.shape[1], device=ta.device) * p
+        mine = (first.view(1, 1, -1) < ta.unsqueeze(-1)).unsqueeze(2)  # [B, H, 1, P]
+        drop = torch.where(mine, logm[..., 0, :], NEG_INF)
+        kept = torch.where(mine, logm[..., 1, :], NEG_INF)
+        log_dhat = log_page_reuse_certificate(drop, kept, lower, upper, check=False)
+        elem = torch.empty((), dtype=kv.dtype).element_size()
+        pages_used = (ta.double() + p - 1) // p
+        meta = pages_used * (2 * d * elem + 2 * g * 4) + g * d * 4 + 4
+        return log_dhat, meta
+
     def _retrieve_certified(
-        self, kv: KVLayout, probs: torch.Tensor, bad: torch.Tensor
+        self, kv: KVLayout, logits64: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A certified retrieval's ``S_a``: ``(indices [B, H, M], counts [B, H])``, the list
         ordered by block score (``block_score``: max group probability or mass), largest
-        first."""
+        first.
+
+        The set: blocks ranked by their group-mean mass, the shortest prefix after which every
+        query head's dropped mass (the sink kept) is at most ``delta_target``, capped at ``M``
+        blocks; only the sink is left out of the candidates."""
         c = self.config
-        # Certified: smallest top set of blocks (by mass) with δ(sink ∪ S) ≤ target, capped;
-        # only the sink is left out of the candidates.
         s = c.block_size
-        block_scores = block_reduce(probs, s, "max" if c.block_score == "max" else "sum")
-        mass = block_reduce(probs.double(), s, "sum")
+        b, h, g, _ = logits64.shape
+        probs_h = torch.softmax(logits64, dim=-1)  # [B, H, g, T] float64, 0 past the end
+        mass_h = block_reduce(probs_h.flatten(1, 2), s, "sum").view(b, h, g, -1)
+        group = probs_h.mean(2)
+        block_scores = block_reduce(group, s, "max" if c.block_score == "max" else "sum")
+        mass = mass_h.mean(2)  # [B, H, NB]
         nb = mass.shape[-1]
         sink_end = (torch.clamp(kv.seq_lens, max=c.n_sink) + s - 1) // s
         j = torch.arange(nb, device=mass.device).view(1, -1)
         sink_b = (j < sink_end.view(-1, 1)).unsqueeze(1)  # [B, 1, NB]
         exists = (j < self.num_blocks(kv).view(-1, 1)).unsqueeze(1)
         eligible = (exists & ~sink_b & ~bad.unsqueeze(-1)).expand_as(mass)
-        kept = (mass * sink_b).sum(-1)
-        idx, cnt = top_p_indices(mass, c.retrieval_target, self.anchor_width(), eligible, kept)
+        kept_h = (mass_h * sink_b.unsqueeze(2)).sum(-1)  # [B, H, g]
+        cap = self.anchor_width()
+        order = torch.sort(mass.masked_fill(~eligible, -1.0), dim=-1, descending=True, stable=True)
+        ranked = torch.gather(mass_h, -1, order.indices.unsqueeze(2).expand(b, h, g, nb))
+        ok = torch.gather(eligible, -1, order.indices).unsqueeze(2)
+        dropped_after = 1.0 - kept_h.unsqueeze(-1) - torch.cumsum(ranked * ok, dim=-1)
+        need = 1 + (dropped_after > c.retrieval_target).sum(-1)  # [B, H, g]
+        cnt = torch.minimum(need.amax(-1), eligible.sum(-1)).clamp(max=min(cap, nb))
+        top = (
+            order.indices[..., :cap]
+            if nb >= cap
+            else torch.nn.functional.pad(order.indices, (0, cap - nb), value=-1)
+        )
+        keep = torch.arange(cap, device=mass.device) < cnt.unsqueeze(-1)
+        idx = torch.where(keep, top, -1).to(torch.int32)
         # Reorder the set by block score, so that dilation takes its first m entries.
         sc = torch.gather(block_scores, -1, idx.long().clamp(min=0))
         sc = sc.masked_fill(idx < 0, NEG_INF)
-        order, _ = topk_indices(sc, idx.shape[-1], idx >= 0)
-        idx = torch.gather(idx, -1, order.long().clamp(min=0)).masked_fill(order < 0, -1)
-        return idx, cnt
+        order2, _ = topk_indices(sc.float(), idx.shape[-1], idx >= 0)
+        idx = torch.gather(idx, -1, order2.long().clamp(min=0)).masked_fill(order2 < 0, -1)
+        return idx, cnt.to(torch.int32)
+
+
+def _head_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[B, H, g]`` float64 ``log δ`` of each query head; ``logits [B, H, g, T]`` (``-inf``
+    past the end), ``keep [B, H, T]``."""
+    lg = logits.double()
+    lse_all = torch.logsumexp(lg, dim=-1)
+    return torch.logsumexp(lg.masked_fill(keep.unsqueeze(2), NEG_INF), dim=-1) - lse_all
+
+
+def _page_log_masses(logits: torch.Tensor, keep: torch.Tensor, page: int) -> torch.Tensor:
+    """``[B, H, g, 2, P]`` float64: per page of ``page`` positions, the log attention mass of
+    each query head outside (``[..., 0, :]``) and inside (``[..., 1, :]``) ``keep [B, H, T]``;
+    ``-inf`` for none. ``logits [B, H, g, T]``, ``-inf`` past the end."""
+    lg = logits.double()
+    lse_all = torch.logsumexp(lg, dim=-1, keepdim=True)
+    pad = -lg.shape[-1] % page
+    k = keep.unsqueeze(2)
+    parts = []
+    for x in (lg.masked_fill(k, NEG_INF), lg.masked_fill(~k, NEG_INF)):
+        x = torch.nn.functional.pad(x, (0, pad), value=NEG_INF)
+        parts.append(torch.logsumexp(x.unflatten(-1, (-1, page)), dim=-1) - lse_all)
+    return torch.stack(parts, -2)

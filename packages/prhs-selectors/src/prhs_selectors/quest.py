@@ -16,7 +16,7 @@ from prhs_core.state import SelectorState
 from prhs_kernels.kv import token_locations
 from prhs_kernels.quest import page_bounds, quest_page_scores
 from prhs_kernels.topk import topk_indices
-from prhs_selectors.base import BaseSelector
+from prhs_selectors.base import BaseSelector, fold_page_bounds
 
 __all__ = ["Quest", "QuestConfig", "page_bounds"]
 
@@ -121,19 +121,7 @@ class Quest(BaseSelector):
             return
         side = state.side
         assert side is not None
-        kmin = side["quest_kmin"][:, row]  # [P + 1, Hkv, D], a view
-        kmax = side["quest_kmax"][:, row]
-        page = side.pages_of(locations)
-        first = torch.where(
-            (locations >= 0) & (locations % side.page_size == 0), page, side.scratch_page
-        )
-        kmin.index_fill_(0, first, float("inf"))
-        kmax.index_fill_(0, first, float("-inf"))
-        k = key.to(kmin.dtype)
-        # A non-finite key resets its page (above) but is not folded in.
-        at = torch.where(finite, page, side.scratch_page).view(-1, 1, 1).expand_as(k)
-        kmin.scatter_reduce_(0, at, k, "amin", include_self=True)
-        kmax.scatter_reduce_(0, at, k, "amax", include_self=True)
+        fold_page_bounds(side, "quest_kmin", "quest_kmax", row, locations, key, finite)
 
     def select_layer(
         self,

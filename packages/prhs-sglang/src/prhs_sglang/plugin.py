@@ -90,7 +90,7 @@ def configure(
     """Check a selector choice (and the model, when given) and export it to the scheduler
     processes SGLang will spawn. Raises :class:`~prhs_sglang.config.SparseConfigError`."""
     sparse = resolve(sparse_attn, sparse_config)
-    if radix_cache and getattr(type(sparse.build()), "state_per_location", False):
+    if radix_cache and getattr(sparse.build(), "state_per_location", False):
         raise SparseConfigError(
             f"selector {sparse.selector!r} keeps per-request scores in a side cache indexed by "
             "KV location; locations shared through SGLang's radix cache would mix requests: "
