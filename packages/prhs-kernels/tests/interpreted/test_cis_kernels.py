@@ -243,11 +243,12 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold)
         (600, 300, 64, 0),  # 2k > 512 registers: torch.topk
     ],
 )
-@pytest.mark.parametrize(("bits", "segment"), [("default", "default"), (1, 0), (4, 16)])
+@pytest.mark.parametrize(("bits", "segment"), [("default", "default"), (1, 0), (4, 16), (8, 128)])
 def test_top_blocks_of_active_rows_match_the_reference(
     monkeypatch, n, k, one_pass, passes, bits, segment
 ):
-    # The search's bits a round, and the prefix counts' segment (0: one prefix sum).
+    # The search's bits a round (8: by histograms), and the prefix counts' segment (0: one
+    # prefix sum).
     if bits != "default":
         monkeypatch.setitem(cis_triton.TUNING, "topk_radix_bits", bits)
         monkeypatch.setitem(cis_triton.TUNING, "topk_scan_segment", segment)

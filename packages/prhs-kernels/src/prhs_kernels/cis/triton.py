@@ -427,22 +427,43 @@ def _topk_kernel(
         bits = x.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the keys = order of floats
         key = tl.where(ok, key, -2147483648)
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        # The largest t with #{key >= t} >= k_here, RADIX_BITS bits a round: each round counts
-        # the keys at or above 2^RADIX_BITS thresholds cutting [lo, hi] into equal parts in one
-        # reduction, and keeps the part holding t (fewer dependent reductions than a bisection,
-        # which is what bounds a program that holds its whole chunk: the rows are few).
-        offs_r = tl.arange(0, RADIX)
-        for _ in range(32 // RADIX_BITS):
-            cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
-            # The keys compare in int32 (5-9 % faster than int64).
-            cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
-            j = tl.sum((cnt >= k_here).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
-            nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
-            hi = tl.where(j == RADIX - 1, hi, nxt - 1)
-            lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
-        thr = lo.to(tl.int32)
+        if RADIX_BITS == 8:
+            # The k-th largest key digit by digit, 8 bits a round: a 256-bin histogram of the
+            # next digit of the keys that share the digits found so far, then the digit whose
+            # count from the top reaches what is still needed (4 dependent rounds, not 16).
+            u = key ^ -2147483648  # the unsigned order of the keys, in int32 bits
+            bins = tl.arange(0, 256)
+            match = ok
+            prefix = tl.full([], 0, tl.int32)
+            rest = k_here
+            for r in tl.static_range(4):
+                digit = (u >> (24 - 8 * r)) & 255
+                # Unmatched keys go to bin 0 and are taken back out (no mask in older Triton).
+                hist = tl.histogram(tl.where(match, digit, 0), 256)
+                hist = hist - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
+                from_top = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= b
+                j = tl.sum((from_top >= rest).to(tl.int32), 0) - 1
+                rest = rest - (tl.sum(tl.where(bins == j, from_top - hist, 0), 0))
+                match = match & (digit == j)
+                prefix = prefix | (j << (24 - 8 * r))
+            thr = prefix ^ -2147483648
+        else:
+            lo = tl.full([], -2147483648, tl.int64)
+            hi = tl.full([], 2147483647, tl.int64)
+            # The largest t with #{key >= t} >= k_here, RADIX_BITS bits a round: each round
+            # counts the keys at or above 2^RADIX_BITS thresholds cutting [lo, hi] into equal
+            # parts in one reduction, and keeps the part holding t (fewer dependent reductions
+            # than a bisection, which is what bounds a program that holds its whole chunk).
+            offs_r = tl.arange(0, RADIX)
+            for _ in range(32 // RADIX_BITS):
+                cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+                # The keys compare in int32 (5-9 % faster than int64).
+                cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
+                j = tl.sum((cnt >= k_here).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
+                nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
+                hi = tl.where(j == RADIX - 1, hi, nxt - 1)
+                lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
+            thr = lo.to(tl.int32)
         greater = ok & (key > thr)
         tie = ok & (key == thr)
         need = k_here - tl.sum(greater.to(tl.int32), 0)
@@ -530,8 +551,8 @@ def top_blocks_triton(
     block_k = _pow2(k, 2)
     *_, topk = _kernels(interpreting())
     bits = TUNING["topk_radix_bits"]
-    if bits not in (1, 2, 4):
-        raise ValueError(f'TUNING["topk_radix_bits"] must be 1, 2 or 4, got {bits!r}')
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f'TUNING["topk_radix_bits"] must be 1, 2, 4 or 8, got {bits!r}')
     seg = TUNING["topk_scan_segment"]
     if seg != 0 and (seg < 16 or seg & (seg - 1)):
         raise ValueError(
