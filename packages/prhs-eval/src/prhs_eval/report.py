@@ -291,10 +291,10 @@ _LEGEND: dict[str, str] = {
     "vs dense": "bytes read as % of what dense attention reads",
     "B_MI": "mean routing mutual-information loss bound",
     "ΔI_emp": "mean measured routing mutual-information loss (≤ B_MI)",
-    "cert": "certificate violations: decisions whose certified δ̂ fell below the measured δ "
-    "(- : the selector does not certify)",
-    "missed": "certified retrievals whose dropped mass is above their target δ_target, their "
-    "top-p set cut by the cap k_max (- : the selector does not certify)",
+    "cert": "certificate violations: decisions where some query head's measured δ is above "
+    "the certified δ̂ (- : the selector does not certify)",
+    "missed": "certified retrievals where some query head's dropped mass is above the target "
+    "δ_target, their top-p set cut by the cap k_max (- : the selector does not certify)",
     "prefill s": "seconds of the selector's own prefill; shared: it reused the dense prefill "
     "made once per sample (its time is reported once, under the table)",
     "s/tok": "decode seconds per decode step",
