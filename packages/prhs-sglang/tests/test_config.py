@@ -147,6 +147,17 @@ def test_h2o_needs_the_radix_cache_off(monkeypatch):
     assert configure("h2o", None, radix_cache=False).selector == "h2o"
 
 
+def test_page_certified_cis_needs_the_radix_cache_off(monkeypatch):
+    """The per-page certificate keeps the anchor's masses per KV page; the global one and paper
+    mode keep nothing per location."""
+    monkeypatch.delenv(ENV_SELECTOR, raising=False)
+    with pytest.raises(SparseConfigError, match="--disable-radix-cache"):
+        configure("cis", {"delta_max": 0.05})
+    assert configure("cis", {"delta_max": 0.05}, radix_cache=False).selector == "cis"
+    assert configure("cis", {"delta_max": 0.05, "certificate": "global"}).selector == "cis"
+    assert configure("cis", {"tau": 0.8}).selector == "cis"
+
+
 def test_engine_args(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_SELECTOR, raising=False)
     model = _model_dir(tmp_path, architectures=["Qwen2ForCausalLM"])
