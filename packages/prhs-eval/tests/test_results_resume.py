@@ -108,6 +108,9 @@ def test_meter_sums_add_up_and_round_trip() -> None:
 def test_resolved_options_record_what_was_used() -> None:
     cis = SelectorSpec("cis", {"budget": 16, "delta_max": 0.1}).resolved_options(4)
     assert (cis["delta_target"], cis["k_max"]) == (0.05, 64)
+    assert (cis["certificate"], cis["certificate_page"]) == ("page", 16)
+    glob = SelectorSpec("cis", {"delta_max": 0.1, "certificate": "global"}).resolved_options(4)
+    assert (glob["certificate"], glob["certificate_page"]) == ("global", None)
     plain = SelectorSpec("cis", {"budget": 16}).resolved_options(4)
     assert plain["delta_target"] is None  # not certified: not used at all
     assert SelectorSpec("prhs").resolved_options(6)["start_layer"] == 3

@@ -80,12 +80,16 @@ class SelectorSpec:
     def resolved_options(self, num_layers: int) -> dict[str, Any]:
         """The full config as used on a model of ``num_layers`` layers: defaults included and
         options left to ``None`` replaced by what they resolve to (certified CIS's
-        ``delta_target`` and ``k_max``, a ``start_layer`` of ``None``: ``num_layers // 2``)."""
+        ``delta_target``, ``k_max``, ``certificate`` and ``certificate_page``, a ``start_layer``
+        of ``None``: ``num_layers // 2``)."""
         config = self.build().config
         out = asdict(config)
         if getattr(config, "certified", False):
             out["delta_target"] = config.retrieval_target
             out["k_max"] = config.retrieval_cap
+            if "certificate" in out:
+                out["certificate"] = "page" if config.page_certified else "global"
+                out["certificate_page"] = config.page_size if config.page_certified else None
         if "start_layer" in out and out["start_layer"] is None:
             from prhs_selectors.prefill import resolve_start_layer
 
