@@ -383,3 +383,51 @@ def test_tau_table_must_fit_the_model(make_sim):
         sim.attach(CIS(CISConfig(budget=8, tau=[[0.7, 0.7]])))
     with pytest.raises(ValueError, match="1 or 2"):
         sim.attach(CIS(CISConfig(budget=8, tau=[[0.7, 0.7, 0.7], [0.7]])))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("certificate", ["page", "global"])
+def test_certified_cis_on_cuda_with_a_bf16_cache(certificate):
+    """The certified step on a GPU, in a bf16 cache (the H200 run): it runs on the device, keeps
+    its state there, and every query head's dropped mass stays within the step's δ̂."""
+    from prhs_core.config import AttentionSpec
+    from prhs_core.layout import ContiguousKV
+    from prhs_kernels import token_locations
+
+    dev = torch.device("cuda")
+    b, hq, h, d, t0, steps = 2, 8, 2, 64, 600, 6
+    spec = AttentionSpec(1, hq, h, d)
+    sel = CIS(CISConfig(budget=32, delta_max=0.3, require_cosine=False, certificate=certificate))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cap = t0 + steps
+    k = torch.randn(b, h, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, h, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+    direction = torch.randn(d, device=dev, generator=gen)
+    k[:, :, ::9] += (2.0 * direction).to(torch.bfloat16)
+    state = sel.init_state(spec, capacity=b, max_seq_len=cap, kv_dtype=torch.bfloat16, device=dev)
+    state.pool.create(list(range(b)))
+    plan = sel.make_plan(state, batch_size=b, scaling=d**-0.5, stats=True)
+    zero = torch.zeros(b, dtype=torch.int32, device=dev)
+    reused = 0
+    for s in range(steps):
+        n = t0 + s + 1
+        lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+        plan.update(lens, torch.arange(b, device=dev))
+        kv = ContiguousKV(k[:, :, :n], v[:, :, :n], lens, zero)
+        pos = torch.arange(n, device=dev) if s == 0 else torch.tensor([n - 1], device=dev)
+        pos = pos.view(1, -1).expand(b, -1)
+        loc = token_locations(kv, pos, state.row_stride)
+        rows = torch.arange(b, device=dev).view(-1, 1).expand_as(pos)
+        sel.write_kv(state, 0, loc.flatten(), k[rows, :, pos].flatten(0, 1),
+                     v[rows, :, pos].flatten(0, 1))  # fmt: skip
+        kv = ContiguousKV(kv.k, kv.v, plan.seq_lens, zero)
+        q = (direction + 0.005 * torch.randn(b, hq, d, device=dev, generator=gen)).bfloat16()
+        out = sel.select(plan, 0, q, kv, state)
+        assert out.indices.device.type == "cuda" and plan.stats.delta_hat.device.type == "cuda"
+        logits = torch.einsum("bhgd,bhtd->bhgt", q.view(b, h, hq // h, d).double(),
+                              kv.k.double()) * d**-0.5  # fmt: skip
+        mask = out.to_mask(kv.seq_lens, n).unsqueeze(2).expand_as(logits)
+        worst = theory.dropped_mass(logits, mask).amax(-1)
+        assert bool((worst <= plan.stats.delta_hat.double()).all())
+        reused += int((~plan.stats.retrieved).sum())
+    assert reused > 0
