@@ -538,21 +538,28 @@ def page_log_masses(
     selected: torch.Tensor,
     page_size: int,
     valid: torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per aligned page of ``page_size`` positions, ``log`` of the attention mass outside and
     inside ``S``: ``(log m^drop, log m^sel)``, each ``[..., ⌈T / page_size⌉]`` float64,
-    ``-inf`` for none. What :func:`log_page_reuse_certificate` keeps of the anchor query."""
+    ``-inf`` for none. What :func:`log_page_reuse_certificate` keeps of the anchor query.
+
+    ``check=False`` skips the input checks (which read device values on the host), for the
+    decode path: ``logits`` must then be ``-inf`` wherever a position does not exist (``valid``
+    is ignored), and ``selected`` may be any shape that broadcasts to them."""
     check_int("page_size", page_size, minimum=1)
-    work, sel, _ = _prep(logits, selected, valid)
-    assert sel is not None
+    if check:
+        work, sel, _ = _prep(logits, selected, valid)
+        assert sel is not None
+    else:
+        work, sel = logits, selected
     work = work.double()
     lse_all = torch.logsumexp(work, dim=-1, keepdim=True)
-    t = work.shape[-1]
-    pad = -t % page_size
-    shape = (*work.shape[:-1], (t + pad) // page_size, page_size)
+    pad = -work.shape[-1] % page_size
 
     def pages(x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.pad(x, (0, pad), value=_NEG_INF).reshape(shape)
+        x = torch.nn.functional.pad(x, (0, pad), value=_NEG_INF).unflatten(-1, (-1, page_size))
         return torch.logsumexp(x, dim=-1) - lse_all
 
     return pages(work.masked_fill(sel, _NEG_INF)), pages(work.masked_fill(~sel, _NEG_INF))

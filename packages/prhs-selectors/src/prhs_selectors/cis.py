@@ -47,6 +47,7 @@ from prhs_core.theory import (
     log_page_reuse_certificate,
     log_reuse_certificate,
     page_box_shift_bounds,
+    page_log_masses,
     round_to_float32,
 )
 from prhs_kernels.blocks import block_reduce
@@ -790,14 +791,12 @@ class CIS(BaseSelector):
         pool["anchor_cnt"][:, layer][slots] = torch.where(r, new_cnt, a_cnt)
         if c.page_certified:
             assert state.side is not None and pages is not None
-            logm = _page_log_masses(logits64, anchor_keep, c.page_size)  # [B, H, g, 2, P]
+            m_drop, m_sel = page_log_masses(
+                logits64, anchor_keep.unsqueeze(2), c.page_size, check=False
+            )  # [B, H, g, P] each
             stored = torch.stack(
-                [
-                    round_to_float32(logm[..., 0, :], up=True),
-                    round_to_float32(logm[..., 1, :], up=False),
-                ],
-                -2,
-            ).permute(0, 4, 1, 2, 3)  # [B, P, H, g, 2]
+                [round_to_float32(m_drop, up=True), round_to_float32(m_sel, up=False)], -1
+            ).permute(0, 3, 1, 2, 4)  # [B, P, H, g, 2]
             field = state.side["cis_page_logm"][:, layer]  # [pages + 1, H, g, 2], a view
             old = field[pages]
             field[pages] = torch.where(r[:, None, :, None, None], stored, old)
@@ -943,18 +942,3 @@ def _head_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Te
     lg = logits.double()
     lse_all = torch.logsumexp(lg, dim=-1)
     return torch.logsumexp(lg.masked_fill(keep.unsqueeze(2), NEG_INF), dim=-1) - lse_all
-
-
-def _page_log_masses(logits: torch.Tensor, keep: torch.Tensor, page: int) -> torch.Tensor:
-    """``[B, H, g, 2, P]`` float64: per page of ``page`` positions, the log attention mass of
-    each query head outside (``[..., 0, :]``) and inside (``[..., 1, :]``) ``keep [B, H, T]``;
-    ``-inf`` for none. ``logits [B, H, g, T]``, ``-inf`` past the end."""
-    lg = logits.double()
-    lse_all = torch.logsumexp(lg, dim=-1, keepdim=True)
-    pad = -lg.shape[-1] % page
-    k = keep.unsqueeze(2)
-    parts = []
-    for x in (lg.masked_fill(k, NEG_INF), lg.masked_fill(~k, NEG_INF)):
-        x = torch.nn.functional.pad(x, (0, pad), value=NEG_INF)
-        parts.append(torch.logsumexp(x.unflatten(-1, (-1, page)), dim=-1) - lse_all)
-    return torch.stack(parts, -2)
