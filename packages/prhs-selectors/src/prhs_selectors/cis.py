@@ -74,7 +74,6 @@ __all__ = [
     "CIS",
     "FALLBACK_TAU",
     "CISConfig",
-    "group_log_dropped_mass",
 ]
 
 NEG_INF = float("-inf")
@@ -307,19 +306,6 @@ class CISConfig(SelectorConfig):
     def retrieval_cap(self) -> int:
         """Cap of a certified retrieval's set, in positions."""
         return self.k_max if self.k_max is not None else 4 * self.budget
-
-
-def group_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``log`` of the group-mean dropped mass, float64; ``logits [B, H, g, T]``, ``keep [B, H, T]``.
-
-    The group's dropped mass is the mean of its query heads' (GQA); each head's is computed as
-    its dropped set's own mass in log space, never as ``1 − τ`` (see the Theory page).
-    """
-    lg = logits.double()
-    lse_all = torch.logsumexp(lg, dim=-1)
-    lse_drop = torch.logsumexp(lg.masked_fill(keep.unsqueeze(2), NEG_INF), dim=-1)
-    per_head = lse_drop - lse_all  # [B, H, g]
-    return torch.logsumexp(per_head, dim=-1) - math.log(per_head.shape[-1])
 
 
 def _token_mask(parts: list[torch.Tensor], s: int, t: int, lens: torch.Tensor) -> torch.Tensor:
