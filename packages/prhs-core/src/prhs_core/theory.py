@@ -824,8 +824,8 @@ def group_query_heads(
 
     Query head ``h`` belongs to KV head ``h // g`` (transformers' ``repeat_kv`` order). prhs
     scores a position for a KV head by the *mean* of its group's probabilities, so the
-    group's dropped mass is the mean of its heads' dropped masses; certificates use the *max*
-    of the group's logit shifts.
+    group's dropped mass is the mean of its heads' dropped masses. Certificates are per query
+    head, and a group's certified reuse needs the *max* of its heads' bounds within the target.
     """
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         raise ValueError("x must be a tensor of shape [B, Hq, ...]")
