@@ -397,6 +397,8 @@ def logit_shift_bound(
     anchor: torch.Tensor,
     key_norm_max: float | torch.Tensor,
     scaling: float,
+    *,
+    check: bool = True,
 ) -> torch.Tensor:
     """``ε = ‖q − q_a‖ · K_max · scaling``: no logit moves by more than ``ε`` from ``q_a`` to ``q``.
 
@@ -404,7 +406,8 @@ def logit_shift_bound(
     (the largest key norm of the head); ``scaling``: ``1/sqrt(D)`` usually. Returns ``[...]``,
     float64 for float64 inputs, else float32. It is computed in float64 and widened by that
     arithmetic's worst rounding, and a float32 result is rounded up: it is never below the
-    exact value.
+    exact value. ``check=False`` skips the value checks (which read device values on the host),
+    for the decode path; a NaN then gives a NaN ``ε``, which certifies nothing.
     """
     check_float_tensor("query", query, min_ndim=1)
     check_float_tensor("anchor", anchor, min_ndim=1)
@@ -415,11 +418,12 @@ def logit_shift_bound(
     if not isinstance(key_norm_max, torch.Tensor):
         kmax = kmax.to(query.device)
     check_device(("query", "anchor", "key_norm_max"), (query, anchor, kmax))
-    check_values_finite("query", query)
-    check_values_finite("anchor", anchor)
-    check_values_finite("key_norm_max", kmax)
-    if kmax.numel() and bool((kmax < 0).any()):
-        raise ValueError("key_norm_max must be >= 0")
+    if check:
+        check_values_finite("query", query)
+        check_values_finite("anchor", anchor)
+        check_values_finite("key_norm_max", kmax)
+        if kmax.numel() and bool((kmax < 0).any()):
+            raise ValueError("key_norm_max must be >= 0")
     eps = (query.double() - anchor.double()).norm(dim=-1) * kmax.double() * scale
     # The difference, D squares, their sum, the root and two products: (D + 5) roundings.
     eps = eps * (1 + _gamma(query.shape[-1] + 5))

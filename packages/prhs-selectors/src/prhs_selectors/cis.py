@@ -46,6 +46,7 @@ from prhs_core.state import SelectorState
 from prhs_core.theory import (
     log_page_reuse_certificate,
     log_reuse_certificate,
+    logit_shift_bound,
     page_box_shift_bounds,
     page_log_masses,
     round_to_float32,
@@ -748,15 +749,14 @@ class CIS(BaseSelector):
         new_part = torch.nn.functional.pad(new_idx, (0, pad), value=-1)
         part = torch.where(retrieve.unsqueeze(-1), new_part, reuse_part)
         part = part.masked_fill(bad.unsqueeze(-1), -1)  # a skipped row reads its windows only
+        sink, local = self.windows(kv)
         if c.hold_local:
-            _, local = self.windows(kv)
             held = held_local_indices(local, kv.seq_lens, ta, reuse, c.n_local, s)
             sel = self.compose(plan, kv, part, held)
         else:
             sel = self.compose(plan, kv, part)
 
         t = kv.max_len
-        sink, local = self.windows(kv)
         dil = dilate_indices(new_idx, new_cnt, self.dilation_m(), c.r)
         # The anchor's set: every later reuse reads it (the local window too under hold_local,
         # as the held window starts where the anchor's did).
@@ -822,9 +822,10 @@ class CIS(BaseSelector):
         a_kmax = pool["anchor_kmax"][:, layer][slots]
         kmax = torch.maximum(a_kmax.double(), new_keys.double().norm(dim=-1).amax(-1))
         d = q.shape[-1]
-        # Per query head; float64 with a margin for its rounding (the difference is exact).
-        eps = (q.double() - qa.double()).norm(dim=-1) * kmax.unsqueeze(-1) * plan.scaling
-        eps = eps * (1 + (d + 5) * 2.0**-52)
+        # Per query head, in float64 (the queries are cast so that the result stays float64).
+        eps = logit_shift_bound(
+            q.double(), qa.double(), kmax.unsqueeze(-1), plan.scaling, check=False
+        )
         a_logd = pool["anchor_log_delta"][:, layer][slots]
         log_dhat = log_reuse_certificate(a_logd, eps, check=False)
         elem = torch.empty((), dtype=kv.dtype).element_size()
