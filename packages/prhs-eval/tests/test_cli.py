@@ -156,3 +156,70 @@ def test_compare_end_to_end_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
     assert records[1]["options"]["budget"] == 16
     assert all(len(r["samples"]) == 1 for r in records)
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["calibrate", "--out", "x.json", "--prompt-queries", "1"], "at least 2"),
+        (
+            ["calibrate", "--out", "x.json", "--context-len", "64", "--prompt-queries", "128"],
+            "must not exceed --context-len",
+        ),
+        (["calibrate", "--out", "x.json", "--model", "no-such-model"], "unknown model"),
+        (["calibrate", "--out", "."], "is a directory"),
+    ],
+)
+def test_calibrate_checks_its_arguments_before_the_model_loads(argv, message, monkeypatch, capsys):
+    import prhs_eval.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(prhs_eval.models, "load_model", no_load)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_table_that_double_sparsity_runs_on(
+    smollm2, tmp_path, monkeypatch, capsys
+):
+    """``calibrate`` on SmolLM2: a label table of the documented format (labels = the top
+    scores of each head), which ``compare`` then runs Double Sparsity and HShare on."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.setenv("PRHS_CACHE_DIR", str(Path(smollm2.source_path).parent))
+    path = tmp_path / "ds.json"
+    argv = ["calibrate", "--context-len", "160", "--samples", "2", "--prompt-queries", "16"]
+    assert main([*argv, "--out", str(path), "--quiet"]) == 0
+    assert "double_sparsity.channels=@" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["format"] == "prhs-double-sparsity-channels/1"
+    assert (data["num_layers"], data["num_kv_heads"], data["head_dim"]) == (30, 3, 64)
+    assert data["label_channels"] == 8 and data["samples"] == 2
+    for row, scores in zip(data["channels"], data["scores"], strict=True):
+        for labels, s in zip(row, scores, strict=True):
+            want = torch.tensor(s).topk(8).indices.sort().values.tolist()
+            assert labels == want
+    out = tmp_path / "res"
+    code = main(
+        [
+            "compare", "--selectors", "dense,double_sparsity,hshare", "--tasks", "passkey",
+            "--context-len", "300", "--samples", "1", "--set", "budget=16",
+            "--set", f"channels=@{path}", "--out", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in open(out / "results.jsonl")]
+    assert [r["selector"] for r in records] == ["dense", "double_sparsity", "hshare"]
+    assert records[1]["options"]["channels"][0][0] == data["channels"][0][0]
+    assert records[1]["retrieval_ratio"] == 0 and records[1]["bytes_per_step"] > 0

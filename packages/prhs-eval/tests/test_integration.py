@@ -382,3 +382,47 @@ def test_enable_as_context_manager_disables_on_exception(make_tiny):
     assert model.config._attn_implementation == "sdpa"
     assert not any(hasattr(layer.self_attn, "_prhs_runtime") for layer in model.model.layers)
     runtime.disable()  # idempotent after the block
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_double_sparsity_and_hshare_learn_from_each_prompt(make_tiny, family):
+    """Without a table, the prefill shows Double Sparsity each full layer's prompt: every row
+    gets labels there (sliding layers none), and HShare its sharing pattern; decode runs."""
+    from transformers import DynamicCache
+
+    model = make_tiny(family)
+    for name in ("double_sparsity", "hshare"):
+        runtime = prhs_eval.enable(
+            model, name, budget=4, n_sink=2, n_local=4, label_channels=4, prompt_queries=8
+        )
+        try:
+            cache = DynamicCache(config=model.config)
+            batch = _batch(128, [60, 12], seed=3)
+            with torch.no_grad():
+                model(**batch, past_key_values=cache, use_cache=True)
+            state = runtime.state_for(cache)
+            spec = runtime.spec
+            full = list(spec.selectable_layers)
+            others = [i for i in range(spec.num_layers) if i not in full]
+            labels = state.pool["ds_labels"]
+            assert torch.all(labels[:2, full] >= 0) and torch.all(labels[:2, others] == -1)
+            assert not torch.equal(labels[0, full], labels[1, full])  # each its own prompt
+            if name == "hshare":
+                heads = state.pool["hs_head_src"][:2, full]  # Hkv 2: one follower per layer
+                assert torch.all((heads >= 0).sum(-1) == 1)
+                assert int((state.pool["hs_layer_src"][0] >= 0).sum()) == len(full) // 2
+            out = _generate(model, batch, n=4)
+            assert out.shape[1] == 64
+        finally:
+            runtime.disable()
+
+
+def test_double_sparsity_with_every_channel_a_label_generates_as_oracle(make_tiny):
+    model = make_tiny("qwen2")
+    batch = _batch(128, [40, 23], seed=1)
+    options = {"budget": 6, "n_sink": 2, "n_local": 4}
+    with prhs_eval.enable(model, "oracle", **options):
+        want = _generate(model, batch, n=6)
+    with prhs_eval.enable(model, "double_sparsity", label_channels=16, **options):
+        got = _generate(model, batch, n=6)
+    assert torch.equal(got, want)

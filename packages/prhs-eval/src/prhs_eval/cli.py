@@ -5,6 +5,8 @@
 - ``prhs-eval models``: the embedded models, their architecture, context limit and whether
   they are installed.
 - ``prhs-eval run SELECTOR``: one selector on one or more tasks.
+- ``prhs-eval calibrate --out FILE``: Double Sparsity's label channels chosen on offline text
+  (:mod:`prhs_eval.calibrate`), for ``--set double_sparsity.channels=@FILE``.
 - ``prhs-eval compare``: several selectors on identical inputs. With no arguments it compares
   dense, oracle, prhs, quest, h2o and streaming on SmolLM2-135M, passkey and NIAH at about
   4k tokens, a few samples each.
@@ -270,7 +272,78 @@ def build_parser() -> argparse.ArgumentParser:
         "KEY; repeatable (every combination runs); with --budgets, every budget too",
     )
     _add_common(cmp_)
+    cal = sub.add_parser(
+        "calibrate",
+        help="choose Double Sparsity's label channels on offline text (a JSON file for "
+        "--set double_sparsity.channels=@FILE)",
+    )
+    from prhs_eval.models import DEFAULT_MODEL
+
+    cal.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
+    cal.add_argument(
+        "--text",
+        default="kjv",
+        metavar="NAME|PATH",
+        help="kjv (default), essays, or a UTF-8 text file",
+    )
+    cal.add_argument(
+        "--context-len", type=_positive_int, default=2048, help="window length (default 2048)"
+    )
+    cal.add_argument("--samples", type=_positive_int, default=4, help="windows (default 4)")
+    cal.add_argument("--seed", type=int, default=0, help="window seed (default 0)")
+    cal.add_argument(
+        "--label-channels",
+        type=_positive_int,
+        default=None,
+        help="r, label channels per KV head (default head_dim // 8)",
+    )
+    cal.add_argument(
+        "--prompt-queries",
+        type=_positive_int,
+        default=256,
+        help="the last queries of each window that score the channels (default 256)",
+    )
+    cal.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    cal.add_argument("--dtype", choices=_DTYPES, default=None, help="parameter dtype")
+    cal.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    cal.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
+
+
+def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from prhs_eval.calibrate import calibrate_channels, write_channels
+    from prhs_eval.data import DataPackageNotFoundError
+    from prhs_eval.models import ModelNotAvailableError, check_model_name
+
+    try:
+        if args.prompt_queries < 2:
+            raise UsageError("--prompt-queries must be at least 2")
+        if args.prompt_queries > args.context_len:
+            raise UsageError(
+                f"--prompt-queries ({args.prompt_queries}) must not exceed --context-len "
+                f"({args.context_len})"
+            )
+        if args.out.is_dir():
+            raise UsageError(f"--out {str(args.out)!r} is a directory; name the JSON file")
+        check_model_name(args.model)
+        result = calibrate_channels(
+            args.model, text=args.text, context_len=args.context_len, samples=args.samples,
+            seed=args.seed, label_channels=args.label_channels,
+            prompt_queries=args.prompt_queries, device=args.device, dtype=args.dtype,
+            progress=not args.quiet,
+        )  # fmt: skip
+    except (
+        UsageError, ModelNotAvailableError, DataPackageNotFoundError, TypeError, ValueError
+    ) as exc:  # fmt: skip
+        message = " ".join(str(exc).split())
+        parser.exit(2, f"prhs-eval calibrate: error: {message}\n")
+    path = write_channels(result, args.out)
+    r, n = result["label_channels"], result["head_dim"]
+    sys.stdout.write(
+        f"wrote {path}: {r} of {n} channels per KV head, {result['num_layers']} layers; use "
+        f"--set double_sparsity.channels=@{path}\n"
+    )
+    return 0
 
 
 def _fields(name: str) -> set[str]:
@@ -547,6 +620,8 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
     if args.command == "models":
         sys.stdout.write(_format_models())
         return 0
+    if args.command == "calibrate":
+        return _calibrate(parser, args)
     if args.command in ("run", "compare"):
         from prhs_core.registry import UnknownSelectorError
         from prhs_eval.data import DataPackageNotFoundError

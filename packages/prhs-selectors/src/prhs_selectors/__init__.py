@@ -4,12 +4,26 @@ Importing the package registers every selector in :data:`prhs_core.registry.sele
 ``prhs.selectors`` entry point does this on a host's first lookup.
 """
 
-from prhs_selectors import cis, dense, etf, h2o, oracle, prhs, psaw, quest, streaming
+from prhs_selectors import (
+    cis,
+    dense,
+    double_sparsity,
+    etf,
+    h2o,
+    hshare,
+    oracle,
+    prhs,
+    psaw,
+    quest,
+    streaming,
+)
 from prhs_selectors.base import BaseSelector
 from prhs_selectors.cis import CIS, CISConfig
 from prhs_selectors.dense import Dense, DenseConfig
+from prhs_selectors.double_sparsity import DoubleSparsity, DoubleSparsityConfig
 from prhs_selectors.etf import ETF, ETFConfig
 from prhs_selectors.h2o import H2O, H2OConfig
+from prhs_selectors.hshare import HShare, HShareConfig
 from prhs_selectors.oracle import Oracle
 from prhs_selectors.prhs import PrHS, PrHSConfig
 from prhs_selectors.psaw import PSAW, PSAWConfig
@@ -27,8 +41,12 @@ __all__ = [
     "CISConfig",
     "Dense",
     "DenseConfig",
+    "DoubleSparsity",
+    "DoubleSparsityConfig",
     "ETFConfig",
     "H2OConfig",
+    "HShare",
+    "HShareConfig",
     "Oracle",
     "PSAWConfig",
     "PrHS",
@@ -39,8 +57,10 @@ __all__ = [
     "__version__",
     "cis",
     "dense",
+    "double_sparsity",
     "etf",
     "h2o",
+    "hshare",
     "oracle",
     "prhs",
     "psaw",

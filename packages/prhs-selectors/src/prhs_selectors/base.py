@@ -22,6 +22,7 @@ cache (its location is still reset, so no stale metadata survives) and is counte
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -366,6 +367,73 @@ class BaseSelector:
     ) -> None:
         """Update the side cache (selectors that keep one): reset ``locations`` (``-1``: none)
         and fold in the key rows that are ``finite``."""
+
+    def check_prompt_observation(
+        self,
+        state: SelectorState,
+        layer: int,
+        slots: Sequence[int],
+        queries: torch.Tensor,
+        kv: ContiguousKV,
+        scaling: float,
+        bounds: Sequence[tuple[int, int]] | None,
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Check the arguments of a :class:`~prhs_core.protocols.PromptObserver`'s
+        ``observe_prompt`` (``2 <= W <=`` the selector's ``prompt_queries()``) and return the
+        rows' slots and ``(start, length)`` bounds (read from ``kv`` when ``bounds`` is
+        ``None``: a host read). Raises before anything changes."""
+        spec = self._spec()
+        check_int("layer", layer, minimum=0)
+        if layer not in spec.selectable_layers:
+            raise ValueError(
+                f"layer {layer} is not a selectable layer of this model "
+                f"({list(spec.selectable_layers)})"
+            )
+        if not isinstance(kv, ContiguousKV):
+            raise TypeError(f"kv must be a ContiguousKV of the prompts, got {type(kv).__name__}")
+        b, h, d = kv.batch_size, spec.num_kv_heads, spec.head_dim
+        if kv.num_kv_heads != h or kv.k.shape[-1] != d:
+            raise ValueError(
+                f"kv has {kv.num_kv_heads} KV heads of dim {kv.k.shape[-1]}, the model "
+                f"{h} of dim {d}"
+            )
+        if not isinstance(queries, torch.Tensor) or queries.ndim != 4:
+            raise ValueError("queries must be a [B, W, Hq, D] tensor")
+        w_max = self.prompt_queries()  # type: ignore[attr-defined]
+        if queries.shape[0] != b or queries.shape[2:] != (spec.num_q_heads, d):
+            raise ValueError(
+                f"queries must be [B={b}, W, Hq={spec.num_q_heads}, D={d}], got "
+                f"{list(queries.shape)}"
+            )
+        w = queries.shape[1]
+        if not 2 <= w <= w_max:
+            raise ValueError(f"queries must hold 2 to {w_max} positions per row, got {w}")
+        if queries.device != kv.k.device:
+            raise ValueError(f"queries on {queries.device}, kv on {kv.k.device}: one device")
+        if isinstance(scaling, bool) or not isinstance(scaling, int | float) or scaling <= 0:
+            raise ValueError(f"scaling must be a positive float, got {scaling!r}")
+        ids = [check_int(f"slots[{i}]", x, minimum=0) for i, x in enumerate(slots)]
+        if len(ids) != b:
+            raise ValueError(f"slots must name one slot per row ({b}), got {len(ids)}")
+        outside = [x for x in ids if x >= state.pool.capacity]
+        if outside:
+            raise ValueError(
+                f"slots must lie in [0, {state.pool.capacity}) (the pool's capacity), got {outside}"
+            )
+        idle = [x for x in ids if not state.pool.is_active(x)]
+        if idle:
+            raise ValueError(f"slots {idle} hold no sequence (create them first)")
+        if bounds is None:
+            starts = kv.start.tolist() if kv.start is not None else [0] * b
+            return ids, list(zip(starts, kv.seq_lens.tolist(), strict=True))
+        if len(bounds) != b or any(
+            len(x) != 2 or x[0] < 0 or x[1] < 0 or x[0] + x[1] > kv.k.shape[2] for x in bounds
+        ):
+            raise ValueError(
+                f"bounds must give each of the {b} rows a (start, length) inside kv's "
+                f"{kv.k.shape[2]} positions, got {list(bounds)}"
+            )
+        return ids, [(int(x[0]), int(x[1])) for x in bounds]
 
     # -- helpers for subclasses -----------------------------------------------------------
     def num_blocks(self, kv: KVLayout) -> torch.Tensor:

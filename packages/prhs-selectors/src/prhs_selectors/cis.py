@@ -538,47 +538,11 @@ class CIS(BaseSelector):
         if not self.prompt_queries():
             return
         spec = self._spec()
-        check_int("layer", layer, minimum=0)
-        if layer not in spec.selectable_layers:
-            raise ValueError(
-                f"layer {layer} is not a selectable layer of this model "
-                f"({list(spec.selectable_layers)})"
-            )
-        if not isinstance(kv, ContiguousKV):
-            raise TypeError(f"kv must be a ContiguousKV of the prompts, got {type(kv).__name__}")
+        ids, bounds = self.check_prompt_observation(
+            state, layer, slots, queries, kv, scaling, bounds
+        )
         b, h, d = kv.batch_size, spec.num_kv_heads, spec.head_dim
-        if kv.num_kv_heads != h or kv.k.shape[-1] != d:
-            raise ValueError(
-                f"kv has {kv.num_kv_heads} KV heads of dim {kv.k.shape[-1]}, the model "
-                f"{h} of dim {d}"
-            )
-        if not isinstance(queries, torch.Tensor) or queries.ndim != 4:
-            raise ValueError("queries must be a [B, W, Hq, D] tensor")
-        w_max = self.prompt_queries()
-        if queries.shape[0] != b or queries.shape[2:] != (spec.num_q_heads, d):
-            raise ValueError(
-                f"queries must be [B={b}, W, Hq={spec.num_q_heads}, D={d}], got "
-                f"{list(queries.shape)}"
-            )
         w = queries.shape[1]
-        if not 2 <= w <= w_max:
-            raise ValueError(f"queries must hold 2 to {w_max} positions per row, got {w}")
-        if queries.device != kv.k.device:
-            raise ValueError(f"queries on {queries.device}, kv on {kv.k.device}: one device")
-        if isinstance(scaling, bool) or not isinstance(scaling, int | float) or scaling <= 0:
-            raise ValueError(f"scaling must be a positive float, got {scaling!r}")
-        ids = [check_int(f"slots[{i}]", x, minimum=0) for i, x in enumerate(slots)]
-        if len(ids) != b:
-            raise ValueError(f"slots must name one slot per row ({b}), got {len(ids)}")
-        outside = [x for x in ids if x >= state.pool.capacity]
-        if outside:
-            raise ValueError(
-                f"slots must lie in [0, {state.pool.capacity}) (the pool's capacity), got {outside}"
-            )
-        idle = [x for x in ids if not state.pool.is_active(x)]
-        if idle:
-            raise ValueError(f"slots {idle} hold no sequence (create them first)")
-
         cfg = self.replay_config()
         taus = self._grid.get(kv.k.device)
         if taus is None:
@@ -586,16 +550,6 @@ class CIS(BaseSelector):
             self._grid[kv.k.device] = taus
         beta = torch.full((b, h, len(TAU_GRID)), -1.0, device=kv.k.device)  # -1: too short
         rho = torch.full_like(beta, -1.0)
-        if bounds is None:
-            starts = kv.start.tolist() if kv.start is not None else [0] * b
-            bounds = list(zip(starts, kv.seq_lens.tolist(), strict=True))
-        elif len(bounds) != b or any(
-            len(x) != 2 or x[0] < 0 or x[1] < 0 or x[0] + x[1] > kv.k.shape[2] for x in bounds
-        ):
-            raise ValueError(
-                f"bounds must give each of the {b} rows a (start, length) inside kv's "
-                f"{kv.k.shape[2]} positions, got {list(bounds)}"
-            )
         seeds = []  # (row, slot, last top): the prompt's last query becomes the anchor
         for i, (st, n) in enumerate(bounds):
             if n < cfg.min_prompt_len(w):
