@@ -282,14 +282,15 @@ def check_score(out: Any) -> None:
         )
 
 
-def check(out: Any, steps: int, batches: list[int]) -> None:
-    names = registry_names()
+def check(out: Any, steps: int, batches: list[int], only: list[str] | None = None) -> None:
+    names = [n for n in registry_names() if only is None or n in only]
     cuda = DEV == "cuda"
     check_score(out)
     for batch in batches:
         lens = [3000] if batch == 1 else [500 + 211 * i for i in range(batch)]
         live = batch if batch == 1 else max(1, batch - 3)  # the last rows are padding (slot -1)
-        for name in [*names, "cis-certified"]:
+        extra = ["cis-certified"] if only is None or "cis-certified" in only else []
+        for name in [*names, *extra]:
             base = "cis" if name == "cis-certified" else name
             w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=batch)
             st = NewStep(base, selector_options(name, 64), w, live)
@@ -601,8 +602,17 @@ def profile(out: Any, names: list[str], shape: str, budget: int, rho: float | No
         torch.cuda.empty_cache()
 
 
-def bench(out: Any, impl: str, steps: int, repeats: int, budget: int, shapes: list[str]) -> None:
-    names = ["oracle", "cis", "quest", "streaming"] if impl == "new" else ["cis", "quest"]
+def bench(
+    out: Any,
+    impl: str,
+    steps: int,
+    repeats: int,
+    budget: int,
+    shapes: list[str],
+    names: list[str] | None = None,
+) -> None:
+    if names is None:
+        names = ["oracle", "cis", "quest", "streaming"] if impl == "new" else ["cis", "quest"]
     for shape in shapes:
         b, t = shape.split("x")
         batch, t_len = int(b), int(t) * 1024
@@ -657,7 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the logic, no graphs")
     p.add_argument("--batches", default="1,16", help="check: batch sizes")
-    p.add_argument("--selectors", default="streaming,cis,quest", help="profile: selectors")
+    p.add_argument(
+        "--selectors",
+        default=None,
+        help="profile: selectors (default streaming,cis,quest); check and bench: only these "
+        "(default: every registered one and cis-certified; bench: oracle,cis,quest,streaming)",
+    )
     p.add_argument("--rho", type=float, default=None, help="profile: forced query jumps")
     p.add_argument("--cis", action="append", default=[], metavar="KEY=VALUE",
                    help="a CIS option, e.g. block_size=1 (repeatable)")  # fmt: skip
@@ -669,11 +684,13 @@ def main(argv: list[str] | None = None) -> int:
     emit(out, {"part": "machine", "impl": a.impl, **machine()})
     if a.part == "profile":
         for shape in a.shapes.split(","):
-            profile(out, a.selectors.split(","), shape, a.budget, a.rho)
+            profile(out, (a.selectors or "streaming,cis,quest").split(","), shape, a.budget, a.rho)
     elif a.part == "check":
-        check(out, a.steps or 64, [int(b) for b in a.batches.split(",")])
+        only = a.selectors.split(",") if a.selectors else None
+        check(out, a.steps or 64, [int(b) for b in a.batches.split(",")], only)
     else:
-        bench(out, a.impl, a.steps or 32, a.repeats, a.budget, a.shapes.split(","))
+        names = a.selectors.split(",") if a.selectors else None
+        bench(out, a.impl, a.steps or 32, a.repeats, a.budget, a.shapes.split(","), names)
     return 0
 
 

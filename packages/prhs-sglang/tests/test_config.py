@@ -75,6 +75,22 @@ def test_config_from_file(tmp_path):
         resolve("streaming", str(path))
 
 
+def test_an_option_can_come_from_a_calibration_file(tmp_path):
+    """``"channels": "@FILE"`` reads the file's ``channels`` entry (a ``prhs-eval calibrate``
+    table); a missing file or entry is refused with what was wrong."""
+    table = [[[0, 3]], [[1, 2]]]
+    calib = tmp_path / "ds.json"
+    calib.write_text(json.dumps({"format": "x", "model": "m", "channels": table}))
+    cfg = resolve("double_sparsity", json.dumps({"budget": 8, "channels": f"@{calib}"}))
+    assert cfg.options["channels"] == table
+    with pytest.raises(SparseConfigError, match="option 'channels': cannot read"):
+        resolve("double_sparsity", '{"channels": "@/no/such.json"}')
+    other = tmp_path / "other.json"
+    other.write_text('{"budget": 3}')
+    with pytest.raises(SparseConfigError, match="holds an object without 'channels'"):
+        resolve("double_sparsity", json.dumps({"channels": f"@{other}"}))
+
+
 @pytest.mark.parametrize("budget", [0, -5])
 def test_budget_must_be_positive(budget):
     with pytest.raises(SparseConfigError, match=r"selector 'prhs': budget must be"):

@@ -14,7 +14,7 @@ from typing import Any, Literal, Self
 
 from prhs_core.checks import check_int
 
-__all__ = ["AttentionSpec", "LayerType", "SelectorConfig"]
+__all__ = ["AttentionSpec", "LayerType", "SelectorConfig", "load_option_file"]
 
 LayerType = Literal["full", "sliding"]
 
@@ -123,3 +123,24 @@ class SelectorConfig:
     def as_dict(self) -> dict[str, Any]:
         """The hyperparameters as a plain dict (for logs, CLIs and result files)."""
         return dataclasses.asdict(self)
+
+
+def load_option_file(key: str, path: str) -> Any:
+    """The value of selector option ``key`` stored in the JSON file ``path`` (how hosts read
+    ``KEY=@FILE``): the file's JSON value, or, when it is an object, its entry ``key`` (so a
+    calibration file can carry its provenance beside the value). Raises ``ValueError`` naming
+    the file and what was wrong."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path!r} ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path!r} is not JSON ({exc})") from None
+    if isinstance(data, dict):
+        if key not in data:
+            raise ValueError(f"{path!r} holds an object without {key!r}")
+        return data[key]
+    return data

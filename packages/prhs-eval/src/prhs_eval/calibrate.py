@@ -8,7 +8,7 @@ windows and the ``r`` largest of each (layer, KV head) become its labels. The re
 object (:func:`write_channels`) that ``--set double_sparsity.channels=@FILE`` (or
 ``hshare.channels``) reads; it carries its provenance beside the table:
 
-.. code-block:: json
+.. code-block:: text
 
    {"format": "prhs-double-sparsity-channels/1", "model": "smollm2-135m", "revision": "…",
     "text": "kjv", "context_len": 2048, "samples": 4, "seed": 0, "prompt_queries": 256,

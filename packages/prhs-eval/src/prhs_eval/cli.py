@@ -362,21 +362,12 @@ def _load_option_file(item: str, key: str, path: str) -> Any:
     """``KEY=@FILE``: the value is the JSON in ``FILE``; a JSON object holding ``KEY`` (the
     option's name, without its selector) gives that entry, so a calibration file can carry
     its provenance beside the value."""
-    import json
+    from prhs_core.config import load_option_file
 
-    field = key.split(".", 1)[-1]
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise UsageError(f"--set {item!r}: cannot read {path!r} ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--set {item!r}: {path!r} is not JSON ({exc})") from None
-    if isinstance(data, dict):
-        if field not in data:
-            raise UsageError(f"--set {item!r}: {path!r} holds an object without {field!r}")
-        data = data[field]
-    return data
+        return load_option_file(key.split(".", 1)[-1], path)
+    except ValueError as exc:
+        raise UsageError(f"--set {item!r}: {exc}") from None
 
 
 def _parse_options(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -111,8 +111,8 @@ class HShare(DoubleSparsity):
     prompt's last query is its top ``k`` positions by exact group-mean attention outside the
     sink and local windows. Within each layer, the KV heads are paired greedily by the overlap
     of their critical sets (:func:`greedy_pairs`): ``⌊head_share·Hkv⌋`` heads become followers
-    of their pair's other head. The selectable layers are paired the same way by their mean
-    per-head overlap, and ``⌊layer_share·N⌋`` later layers follow an earlier one. The pattern is
+    of their pair's other head. The selectable layers are paired the same way by their overlap
+    summed over heads, and ``⌊layer_share·N⌋`` later layers follow an earlier one. The pattern is
     per request (chosen from its own prompt); a slot whose prompt was not observed shares
     nothing across heads and layers. Choosing it reads the overlaps on the host, once per
     prompt and layer (a prefill-time sync).

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prhs_core.config import load_option_file
 from prhs_core.registry import UnknownSelectorError, selectors
 
 __all__ = [
@@ -84,7 +85,9 @@ class SparseAttnConfig:
 
 
 def parse_sparse_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """``--sparse-config``: a JSON object, or the path of a file holding one (``None``: ``{}``)."""
+    """``--sparse-config``: a JSON object, or the path of a file holding one (``None``: ``{}``).
+    An option whose value is ``"@FILE"`` takes its value from the JSON file ``FILE`` (its entry
+    of the option's name when the file holds an object: a calibration file)."""
     if value is None:
         return {}
     if isinstance(value, Mapping):
@@ -118,6 +121,12 @@ def parse_sparse_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]
         raise SparseConfigError(
             f"{source} must hold a JSON object of options, got a JSON {type(parsed).__name__}"
         )
+    for key, item in parsed.items():
+        if isinstance(item, str) and item.startswith("@"):  # "KEY": "@FILE", as prhs-eval's
+            try:
+                parsed[key] = load_option_file(key, str(Path(item[1:]).expanduser()))
+            except ValueError as exc:
+                raise SparseConfigError(f"{source}: option {key!r}: {exc}") from None
     return parsed
 
 
