@@ -426,3 +426,37 @@ def test_double_sparsity_with_every_channel_a_label_generates_as_oracle(make_tin
     with prhs_eval.enable(model, "double_sparsity", label_channels=16, **options):
         got = _generate(model, batch, n=6)
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_smollm2_compkv_compensation_lowers_the_output_error_of_its_selection(smollm2):
+    """On SmolLM2's real caches, CompKV's output (selected blocks + one term per block left out)
+    is closer to dense attention than attention over the same blocks without the terms."""
+    from prhs_core.selection import Selection
+    from prhs_eval.tasks import make_samples
+    from prhs_kernels import sparse_decode_attention
+
+    model, tok = smollm2.model, smollm2.tokenizer
+    sample = make_samples("perplexity", tok, context_len=800, num_samples=1, seed=2)[0]
+    batch = tok([sample.prompt], return_tensors="pt", add_special_tokens=False)
+    errors = {"with": [], "without": []}
+
+    def observe(step, selection):
+        dense, _ = sparse_decode_attention(step.query, step.kv, None, step.scaling)
+        bare = Selection(selection.indices, selection.counts, selection.block_size)
+        for key, sel in (("with", selection), ("without", bare)):
+            out, _ = sparse_decode_attention(step.query, step.kv, sel, step.scaling)
+            err = (out.float() - dense.float()).norm(dim=-1) / dense.float().norm(dim=-1)
+            errors[key].append(err.mean().item())
+
+    runtime = prhs_eval.enable(model, "compkv", budget=64, n_sink=4, n_local=16)
+    runtime.add_observer(observe)
+    try:
+        _generate(model, batch, n=4)
+    finally:
+        runtime.disable()
+    with_, without = torch.tensor(errors["with"]), torch.tensor(errors["without"])
+    assert len(with_) == 3 * 30  # decode steps after the first token, every layer
+    # Measured: 0.218 against 0.240, lower at 78 % of the (step, layer) decisions.
+    assert with_.mean() < 0.95 * without.mean(), (with_.mean(), without.mean())
+    assert (with_ < without).float().mean() > 0.6

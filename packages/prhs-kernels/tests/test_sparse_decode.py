@@ -3,10 +3,12 @@ selected positions, identical on every layout."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from prhs_core.selection import Selection
+from prhs_core.selection import Compensation, Selection
 from prhs_kernels import sparse_decode_attention
 
 # (B, T, Hq, Hkv, D, Dv, s)
@@ -284,3 +286,36 @@ def test_cuda_path_row_gather_matches_the_reference_gather_on_both_layouts() -> 
         assert torch.equal(torch.where(ok, fk, 0), rk)
         assert torch.equal(torch.where(ok, fv, 0), rv)
         assert bool(torch.isfinite(fk).all()) and bool(torch.isfinite(fv).all())
+
+
+def test_a_compensation_is_merged_through_the_log_sum_exp(make_kv) -> None:
+    """A selection with a :class:`Compensation` gives the softmax over its positions' logits
+    and one extra term per query head (log-mass ``lse``, value ``out``); ``-inf`` adds nothing,
+    and a row that selects nothing is the compensation alone."""
+
+    data = make_kv([9, 6], 1, 8, max_len=9)
+    kv = data["contig"]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 8, generator=g)
+    idx = torch.tensor([[[0, 3, 5]], [[1, -1, -1]]], dtype=torch.int32)
+    counts = torch.tensor([[3], [0]], dtype=torch.int32)
+    comp_lse = torch.tensor([[0.3, float("-inf")], [1.2, -0.5]])
+    comp_out = torch.randn(2, 2, 8, generator=g)
+    sel = Selection(idx, counts, 1, None, Compensation(comp_lse, comp_out))
+    out, lse = sparse_decode_attention(q, kv, sel, 0.5)
+    k, v = data.keys.double(), data.values.double()
+    for b, chosen in ((0, [0, 3, 5]), (1, [])):
+        for h in range(2):
+            logits = [0.5 * float(q[b, h].double() @ k[b, 0, t]) for t in chosen]
+            values = [v[b, 0, t] for t in chosen]
+            if math.isfinite(comp_lse[b, h]):
+                logits.append(float(comp_lse[b, h]))
+                values.append(comp_out[b, h].double())
+            w = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+            want = sum(w[i] * x for i, x in enumerate(values))
+            torch.testing.assert_close(out[b, h].double(), want, rtol=1e-5, atol=1e-6)
+            want_lse = torch.logsumexp(torch.tensor(logits, dtype=torch.float64), 0)
+            assert lse[b, h].item() == pytest.approx(want_lse.item(), abs=1e-5)
+    with pytest.raises(ValueError, match=r"compensation\.out"):
+        bad = Selection(idx, counts, 1, None, Compensation(comp_lse, comp_out[..., :4]))
+        sparse_decode_attention(q, kv, bad, 0.5)

@@ -30,13 +30,14 @@ from prhs_core.protocols import (
     PromptObserver,
 )
 from prhs_core.registry import Registry, RegistryEntry, UnknownSelectorError, selectors
-from prhs_core.selection import Selection, StepStats
+from prhs_core.selection import Compensation, Selection, StepStats
 from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionSpec",
+    "Compensation",
     "ContiguousKV",
     "DecodePlan",
     "DecodeSelector",

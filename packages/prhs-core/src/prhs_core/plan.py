@@ -56,6 +56,9 @@ class DecodePlan:
         Keep a ``delta_hat`` buffer in the stats.
     checked:
         Check values on the host at every :meth:`update` and selection (raises at once).
+    compensation:
+        ``(Hq, Dv)``: the selection carries :class:`~prhs_core.selection.Compensation`
+        buffers (CompKV); ``None``: it does not.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class DecodePlan:
         stats: bool = False,
         certified: bool = False,
         checked: bool = False,
+        compensation: tuple[int, int] | None = None,
     ) -> None:
         check_int("batch_size", batch_size, minimum=1)
         check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -102,7 +106,7 @@ class DecodePlan:
             else None
         )
         self.selection = Selection.allocate(
-            batch_size, num_kv_heads, width, block_size, dev, step_stats
+            batch_size, num_kv_heads, width, block_size, dev, step_stats, compensation
         )
         """The buffers a selector writes its selection (and statistics) into."""
         self.totals = (

@@ -21,7 +21,7 @@ import torch
 
 from prhs_core.checks import check_bool_mask, check_index_tensor, check_int, check_shape
 
-__all__ = ["Selection", "StepStats"]
+__all__ = ["Compensation", "Selection", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,49 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class Compensation:
+    """What attention adds for the positions a selection leaves out, per query head: one more
+    softmax term with log-mass ``lse`` and value ``out`` (CompKV's block-mean compensation).
+
+    :func:`prhs_kernels.sparse_decode_attention` merges it with the attention over the selected
+    positions through their log-sum-exp: with ``(o_s, l_s)`` the selected part,
+    ``o = (e^{l_s} o_s + e^{lse} out) / (e^{l_s} + e^{lse})``. ``lse = -inf`` adds nothing.
+
+    Attributes
+    ----------
+    lse:
+        ``[B, Hq]`` float32 log of the compensation's (estimated) softmax mass, in the units of
+        the scaled logits.
+    out:
+        ``[B, Hq, Dv]`` float32 the compensation's value (a weighted mean of value means).
+    """
+
+    lse: torch.Tensor
+    out: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("lse", "out"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise TypeError(f"compensation {name} must be a float32 tensor")
+        if self.lse.ndim != 2 or self.out.ndim != 3 or self.out.shape[:2] != self.lse.shape:
+            raise ValueError(
+                f"compensation lse must be [B, Hq] and out [B, Hq, Dv], got "
+                f"{list(self.lse.shape)} and {list(self.out.shape)}"
+            )
+
+    @classmethod
+    def allocate(
+        cls, batch_size: int, num_q_heads: int, value_dim: int, device: torch.device | str
+    ) -> Compensation:
+        """Buffers adding nothing (``lse = -inf``, ``out = 0``)."""
+        return cls(
+            torch.full((batch_size, num_q_heads), float("-inf"), device=device),
+            torch.zeros(batch_size, num_q_heads, value_dim, device=device),
+        )
+
+
+@dataclass(frozen=True)
 class Selection:
     """The KV positions (or ``s``-blocks) each (sequence, KV head) reads at one decode step.
 
@@ -116,12 +159,16 @@ class Selection:
         ``s``; entries are block ids when ``s > 1``.
     stats:
         Per-step statistics, or ``None`` when the plan did not ask for them.
+    compensation:
+        A :class:`Compensation` attention adds for the positions left out, or ``None`` (the
+        positions left out are dropped; every selector but CompKV).
     """
 
     indices: torch.Tensor
     counts: torch.Tensor
     block_size: int = 1
     stats: StepStats | None = None
+    compensation: Compensation | None = None
 
     def __post_init__(self) -> None:
         check_index_tensor("indices", self.indices, ndim=3)
@@ -132,6 +179,11 @@ class Selection:
             raise TypeError(f"counts must be int32, got {self.counts.dtype}")
         check_shape("counts", self.counts, tuple(self.indices.shape[:2]), "[B, Hkv]")
         check_int("block_size", self.block_size, minimum=1)
+        if self.compensation is not None:
+            if not isinstance(self.compensation, Compensation):
+                raise TypeError("compensation must be a Compensation or None")
+            if self.compensation.lse.shape[0] != self.indices.shape[0]:
+                raise ValueError("compensation must have one row per selection row")
 
     @classmethod
     def allocate(
@@ -142,14 +194,23 @@ class Selection:
         block_size: int,
         device: torch.device | str,
         stats: StepStats | None = None,
+        compensation: tuple[int, int] | None = None,
     ) -> Selection:
-        """Buffers for a selection of static width ``K_max = width`` (indices ``-1``, counts 0)."""
+        """Buffers for a selection of static width ``K_max = width`` (indices ``-1``, counts 0);
+        ``compensation = (Hq, Dv)``: with :class:`Compensation` buffers too."""
         check_int("width", width, minimum=0)
+        comp = None
+        if compensation is not None:
+            hq, dv = compensation
+            check_int("compensation Hq", hq, minimum=1)
+            check_int("compensation Dv", dv, minimum=1)
+            comp = Compensation.allocate(batch_size, hq, dv, device)
         return cls(
             torch.full((batch_size, num_kv_heads, width), -1, dtype=torch.int32, device=device),
             torch.zeros((batch_size, num_kv_heads), dtype=torch.int32, device=device),
             block_size,
             stats,
+            comp,
         )
 
     @property

@@ -6,6 +6,7 @@ Importing the package registers every selector in :data:`prhs_core.registry.sele
 
 from prhs_selectors import (
     cis,
+    compkv,
     dense,
     double_sparsity,
     etf,
@@ -19,6 +20,7 @@ from prhs_selectors import (
 )
 from prhs_selectors.base import BaseSelector
 from prhs_selectors.cis import CIS, CISConfig
+from prhs_selectors.compkv import CompKV, CompKVConfig
 from prhs_selectors.dense import Dense, DenseConfig
 from prhs_selectors.double_sparsity import DoubleSparsity, DoubleSparsityConfig
 from prhs_selectors.etf import ETF, ETFConfig
@@ -39,6 +41,8 @@ __all__ = [
     "PSAW",
     "BaseSelector",
     "CISConfig",
+    "CompKV",
+    "CompKVConfig",
     "Dense",
     "DenseConfig",
     "DoubleSparsity",
@@ -56,6 +60,7 @@ __all__ = [
     "Streaming",
     "__version__",
     "cis",
+    "compkv",
     "dense",
     "double_sparsity",
     "etf",

@@ -227,7 +227,13 @@ class BaseSelector:
             stats=stats,
             certified=self.certifies,
             checked=checked,
+            compensation=self.compensation_dims(),
         )
+
+    def compensation_dims(self) -> tuple[int, int] | None:
+        """``(Hq, Dv)`` when this selector's selections carry a
+        :class:`~prhs_core.selection.Compensation` (CompKV), else ``None``."""
+        return None
 
     def _spec(self) -> AttentionSpec:
         if self.spec is None:

@@ -25,11 +25,13 @@ from prhs_kernels.score.cuda import bmm_out_dtype_available
 from prhs_kernels.sparse_decode.cuda import sparse_decode_attention_bmm
 from prhs_kernels.sparse_decode.reference import (
     dense_positions,
+    merge_compensation,
     sparse_decode_attention_reference,
 )
 
 __all__ = [
     "dense_positions",
+    "merge_compensation",
     "sparse_decode_attention",
     "sparse_decode_attention_reference",
     "sparse_decode_path",
@@ -57,7 +59,10 @@ def sparse_decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, Dv], lse [B, Hq])`` of decode attention restricted to ``selection``
     (``None``: every cached position). Entries past a row's count, and positions past a
-    sequence's end, are not read. ``out`` / ``lse`` are written in place when given.
+    sequence's end, are not read. ``out`` / ``lse`` are written in place when given. A
+    selection carrying a :class:`~prhs_core.selection.Compensation` (CompKV) has it merged in
+    (:func:`~prhs_kernels.sparse_decode.reference.merge_compensation`): ``lse`` is then the
+    log-mass of the selected positions and the compensation together.
 
     Raises ``TypeError`` / ``ValueError`` when the query, cache and selection disagree (shapes,
     dtypes, devices).
@@ -79,16 +84,34 @@ def sparse_decode_attention(
         check_shape("out", out, (b, hq, kv.value_dim), "[B, Hq, Dv]")
     if lse is not None:
         check_shape("lse", lse, (b, hq), "[B, Hq]")
+    comp = selection.compensation if selection is not None else None
+    if comp is not None:
+        check_shape("compensation.out", comp.out, (b, hq, kv.value_dim), "[B, Hq, Dv]")
+        if comp.out.device != query.device and "meta" not in (
+            comp.out.device.type,
+            query.device.type,
+        ):
+            raise ValueError(
+                f"the compensation is on {comp.out.device} but the query on {query.device}"
+            )
     path = sparse_decode_path(query.device, kv.dtype)
     announce("sparse_decode_attention", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.sparse_decode.triton import sparse_decode_attention_triton
 
-        return sparse_decode_attention_triton(query, kv, selection, scaling, out, lse)
+        o, s = sparse_decode_attention_triton(query, kv, selection, scaling, out, lse)
+        if comp is None:
+            return o, s
+        o2, s2 = merge_compensation(o, s, comp)
+        o.copy_(o2)
+        s.copy_(s2)
+        return o, s
     if path == "bmm":
         o, s = sparse_decode_attention_bmm(query, kv, selection, scaling)
     else:
         o, s = sparse_decode_attention_reference(query, kv, selection, scaling)
+    if comp is not None:
+        o, s = merge_compensation(o, s, comp)
     if out is not None:
         out.copy_(o)
         o = out

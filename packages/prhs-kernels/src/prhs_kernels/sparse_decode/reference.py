@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from prhs_core.layout import KVLayout
-from prhs_core.selection import Selection
+from prhs_core.selection import Compensation, Selection
 from prhs_kernels.kv.reference import gather_kv_reference
 
 __all__ = ["dense_positions", "sparse_decode_attention_reference"]
@@ -60,3 +60,21 @@ def sparse_decode_attention_reference(
     p = p.masked_fill(unused, 0.0)
     out = torch.einsum("bhgp,bhpd->bhgd", p, v.float())
     return out.reshape(b, hq, -1).to(query.dtype), lse.reshape(b, hq)
+
+
+def merge_compensation(
+    out: torch.Tensor, lse: torch.Tensor, compensation: Compensation
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add a :class:`~prhs_core.selection.Compensation` to attention over the selected positions
+    (``out [B, Hq, Dv]``, ``lse [B, Hq]``) through their log-sum-exp: ``(out', lse')`` with
+    ``out' = (e^{lse} out + e^{c} o_c) / (e^{lse} + e^{c})``, ``lse' = log(e^{lse} + e^{c})``,
+    in float32, ``out'`` in ``out``'s dtype. A side with log-mass ``-inf`` adds nothing."""
+    c = compensation.lse
+    m = torch.maximum(lse, c)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    ws = torch.exp(lse - m)
+    wc = torch.exp(c - m)
+    total = ws + wc
+    merged = ws.unsqueeze(-1) * out.float() + wc.unsqueeze(-1) * compensation.out
+    merged = merged / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    return merged.to(out.dtype), m + torch.log(total)
