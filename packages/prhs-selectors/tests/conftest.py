@@ -87,6 +87,10 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "etf": ("etf", {}),
     "h2o": ("h2o", {"budget": 6, "n_sink": 2, "n_local": 4}),
     "quest": ("quest", {"budget": 8, "page_size": 4, "dense_layers": 1, "n_sink": 2, "n_local": 4}),
+    "rabitq": (
+        "rabitq",
+        {"budget": 6, "n_sink": 2, "n_local": 4, "group": 4, "dense_layers": 0, "top_p": 0.8},
+    ),
     "compkv": ("compkv", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 4}),
     "double_sparsity": ("double_sparsity", {"budget": 6, "n_sink": 2, "n_local": 4}),
     "hshare": (

@@ -270,10 +270,14 @@ class PromptObserver(Protocol):
         kv: ContiguousKV,
         scaling: float,
         bounds: Sequence[tuple[int, int]] | None = None,
+        locations: torch.Tensor | None = None,
     ) -> None:
         """The last ``W`` queries ``[B, W, Hq, D]`` (after RoPE) of the prompts of ``slots``
         (host ints), at ``layer``, whose K/V ``kv`` holds (``B`` rows, lengths = the prompts');
         called for every selectable layer in order, after that layer's K/V are written.
         ``bounds``: each row's ``(start, length)`` in ``kv`` as host ints (hosts know them;
-        without them the selector reads them from ``kv``)."""
+        without them the selector reads them from ``kv``). ``locations [B, L]`` int64: the KV
+        location of each logical position of each row (``-1``: none), for a host whose ``kv``
+        is a gathered copy (SGLang); ``None``: ``kv`` is the cache itself, whose locations
+        :func:`prhs_kernels.token_locations` gives."""
         ...

@@ -60,6 +60,7 @@ class _ChannelStats(DoubleSparsity):
         kv: ContiguousKV,
         scaling: float,
         bounds: Sequence[tuple[int, int]] | None = None,
+        locations: torch.Tensor | None = None,
     ) -> None:
         _, rows = self.check_prompt_observation(state, layer, slots, queries, kv, scaling, bounds)
         for i, (st, n) in enumerate(rows):

@@ -16,6 +16,7 @@ from prhs_selectors import (
     prhs,
     psaw,
     quest,
+    rabitq,
     streaming,
 )
 from prhs_selectors.base import BaseSelector
@@ -30,6 +31,7 @@ from prhs_selectors.oracle import Oracle
 from prhs_selectors.prhs import PrHS, PrHSConfig
 from prhs_selectors.psaw import PSAW, PSAWConfig
 from prhs_selectors.quest import Quest, QuestConfig
+from prhs_selectors.rabitq import RaBitQ, RaBitQConfig
 from prhs_selectors.streaming import Streaming
 
 __version__ = "0.1.0"
@@ -57,6 +59,8 @@ __all__ = [
     "PrHSConfig",
     "Quest",
     "QuestConfig",
+    "RaBitQ",
+    "RaBitQConfig",
     "Streaming",
     "__version__",
     "cis",
@@ -70,5 +74,6 @@ __all__ = [
     "prhs",
     "psaw",
     "quest",
+    "rabitq",
     "streaming",
 ]

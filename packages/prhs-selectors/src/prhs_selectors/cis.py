@@ -516,6 +516,7 @@ class CIS(BaseSelector):
         kv: ContiguousKV,
         scaling: float,
         bounds: Sequence[tuple[int, int]] | None = None,
+        locations: torch.Tensor | None = None,
     ) -> None:
         """``tau="auto"``: calibrate ``layer``'s thresholds on a prompt (a no-op otherwise).
 

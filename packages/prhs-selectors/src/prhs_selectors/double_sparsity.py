@@ -282,6 +282,7 @@ class DoubleSparsity(BaseSelector):
         kv: ContiguousKV,
         scaling: float,
         bounds: Sequence[tuple[int, int]] | None = None,
+        locations: torch.Tensor | None = None,
     ) -> None:
         """Without a channels table: choose each slot's labels at ``layer`` from its prompt
         (``queries [B, W, Hq, D]``, the prompt's last ``W`` queries, and every prompt key in

@@ -193,6 +193,7 @@ class HShare(DoubleSparsity):
         kv: ContiguousKV,
         scaling: float,
         bounds: Sequence[tuple[int, int]] | None = None,
+        locations: torch.Tensor | None = None,
     ) -> None:
         """Choose each slot's labels (without a channels table, as Double Sparsity) and its
         sharing pattern at ``layer``: the head pairs from the critical sets of the prompt's last

@@ -407,8 +407,9 @@ class PrhsAttnBackend(AttentionBackend):
                 )
                 queries = qv[start + n - w : start + n].unsqueeze(0)  # [1, W, Hq, D]
                 self.selector.observe_prompt(
-                    self.state, layer.layer_id, [row], queries, kv, layer.scaling, [(0, total)]
-                )
+                    self.state, layer.layer_id, [row], queries, kv, layer.scaling, [(0, total)],
+                    locations=locs.unsqueeze(0),
+                )  # fmt: skip
             start += n
 
     def _windowed_extend(
