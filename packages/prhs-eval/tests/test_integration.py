@@ -460,3 +460,29 @@ def test_smollm2_compkv_compensation_lowers_the_output_error_of_its_selection(sm
     # Measured: 0.218 against 0.240, lower at 78 % of the (step, layer) decisions.
     assert with_.mean() < 0.95 * without.mean(), (with_.mean(), without.mean())
     assert (with_ < without).float().mean() > 0.6
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rabitq_quantises_each_prompt_and_with_top_p_1_decodes_as_dense(make_tiny, family):
+    """At prefill every full group of each (left-padded) prompt is quantised at the cache's own
+    locations; with top_p = 1 and a budget covering the context every position is read, so
+    generation matches dense token for token."""
+    from transformers import DynamicCache
+
+    model = make_tiny(family)
+    batch = _batch(128, [60, 23], seed=4)
+    options = {"n_sink": 2, "n_local": 8, "group": 8, "dense_layers": 0, "prompt_queries": 4}
+    runtime = prhs_eval.enable(model, "rabitq", budget=128, top_p=1.0, **options)
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(**batch, past_key_values=cache, use_cache=True)
+        state = runtime.state_for(cache)
+        full = list(runtime.spec.selectable_layers)
+        qlen = state.pool["rq_qlen"]
+        assert torch.all(qlen[0, full] == 56) and torch.all(qlen[1, full] == 16)
+        got = _generate(model, batch, n=6)
+    finally:
+        runtime.disable()
+    want = _generate(model, batch, n=6)
+    assert torch.equal(got, want)

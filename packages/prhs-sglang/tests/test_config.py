@@ -156,11 +156,12 @@ def test_configure_exports_and_checks_model(tmp_path, monkeypatch):
     assert json.loads(os.environ[ENV_CONFIG])["budget"] == 16
 
 
-def test_h2o_needs_the_radix_cache_off(monkeypatch):
+@pytest.mark.parametrize("name", ["h2o", "rabitq"])
+def test_per_request_side_caches_need_the_radix_cache_off(monkeypatch, name):
     monkeypatch.delenv(ENV_SELECTOR, raising=False)
     with pytest.raises(SparseConfigError, match="--disable-radix-cache"):
-        configure("h2o", None)
-    assert configure("h2o", None, radix_cache=False).selector == "h2o"
+        configure(name, None)
+    assert configure(name, None, radix_cache=False).selector == name
 
 
 def test_page_certified_cis_needs_the_radix_cache_off(monkeypatch):
