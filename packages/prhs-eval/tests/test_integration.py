@@ -486,3 +486,43 @@ def test_rabitq_quantises_each_prompt_and_with_top_p_1_decodes_as_dense(make_tin
         runtime.disable()
     want = _generate(model, batch, n=6)
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_smollm2_louver_misses_no_key_above_its_threshold(smollm2):
+    """On SmolLM2's real caches, through prefill indexing and a fold of the recent buffer
+    (budget above the index: no cap),
+    every key whose exact logit reaches its query head's sampled threshold is read."""
+    from prhs_eval.tasks import make_samples
+    from prhs_kernels.score import score_keys
+    from prhs_selectors.louver import sample_positions
+
+    model, tok = smollm2.model, smollm2.tokenizer
+    sample = make_samples("perplexity", tok, context_len=300, num_samples=1, seed=3)[0]
+    batch = tok([sample.prompt], return_tensors="pt", add_special_tokens=False)
+    cfg = {"budget": 512, "n_local": 16, "buffer": 16, "page": 16, "sample_size": 50}
+    checked = {"decisions": 0, "above": 0}
+
+    def observe(step, selection):
+        state = step.plan.state
+        length = state.pool["lv_len"][step.plan.slots, step.layer]
+        logits = score_keys(step.query, step.kv, step.scaling).double()  # [B, Hkv, g, T]
+        b, h, g, t = logits.shape
+        pos = torch.arange(t).view(1, 1, 1, -1)
+        logits = logits.masked_fill(pos >= length.view(-1, 1, 1, 1), -torch.inf)
+        sp = sample_positions(length, 50, 0)
+        taken = torch.gather(logits, 3, sp.clamp_min(0).view(b, 1, 1, -1).expand(b, h, g, -1))
+        thr = taken.amax(-1, keepdim=True)  # [B, Hkv, g, 1]
+        above = (logits >= thr + 1e-6).any(2)  # [B, Hkv, T]: some head of the group
+        chosen = selection.to_mask(step.kv.seq_lens, t)
+        assert not bool((above & ~chosen).any()), step.layer
+        checked["decisions"] += b * h
+        checked["above"] += int(above.sum())
+
+    runtime = prhs_eval.enable(model, "louver", **cfg)
+    runtime.add_observer(observe)
+    try:
+        _generate(model, batch, n=8)  # lengths 301..307: the buffer 288..303 folds at 304
+    finally:
+        runtime.disable()
+    assert checked["decisions"] == 7 * 30 * 3 and checked["above"] > 0

@@ -91,6 +91,22 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "rabitq",
         {"budget": 6, "n_sink": 2, "n_local": 4, "group": 4, "dense_layers": 0, "top_p": 0.8},
     ),
+    "louver": (
+        "louver",
+        {"budget": 8, "n_sink": 2, "n_local": 8, "buffer": 8, "page": 8, "subspaces": 2},
+    ),
+    "louver-oracle": (
+        "louver",
+        {
+            "budget": 8,
+            "n_sink": 2,
+            "n_local": 8,
+            "buffer": 8,
+            "page": 8,
+            "threshold": "oracle",
+            "oracle_k": 3,
+        },
+    ),
     "compkv": ("compkv", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 4}),
     "double_sparsity": ("double_sparsity", {"budget": 6, "n_sink": 2, "n_local": 4}),
     "hshare": (

@@ -12,6 +12,7 @@ from prhs_selectors import (
     etf,
     h2o,
     hshare,
+    louver,
     oracle,
     prhs,
     psaw,
@@ -27,6 +28,7 @@ from prhs_selectors.double_sparsity import DoubleSparsity, DoubleSparsityConfig
 from prhs_selectors.etf import ETF, ETFConfig
 from prhs_selectors.h2o import H2O, H2OConfig
 from prhs_selectors.hshare import HShare, HShareConfig
+from prhs_selectors.louver import Louver, LouverConfig
 from prhs_selectors.oracle import Oracle
 from prhs_selectors.prhs import PrHS, PrHSConfig
 from prhs_selectors.psaw import PSAW, PSAWConfig
@@ -53,6 +55,8 @@ __all__ = [
     "H2OConfig",
     "HShare",
     "HShareConfig",
+    "Louver",
+    "LouverConfig",
     "Oracle",
     "PSAWConfig",
     "PrHS",
@@ -70,6 +74,7 @@ __all__ = [
     "etf",
     "h2o",
     "hshare",
+    "louver",
     "oracle",
     "prhs",
     "psaw",

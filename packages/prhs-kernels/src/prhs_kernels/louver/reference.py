@@ -1,0 +1,82 @@
+"""Torch reference of Louver's index: balanced clusters of keys, per-subspace centres and radii,
+and the upper bound of every logit in a cluster.
+
+Clusters are formed within groups of ``P`` keys (a page) by a balanced principal-axis tree: a
+group is split at the median of its keys' projections on their first principal axis (a few
+power iterations from a fixed start), and each half again, until groups of ``cluster_size``
+remain. Every step has static shapes (all groups of a level have the same size), so a batch of
+pages is clustered at once without reading a value on the host.
+
+For a cluster with centre ``c`` and radius ``ρ_s = max_{k} ‖k_s − c_s‖`` in each of ``S``
+channel subspaces, Cauchy–Schwarz in each subspace gives, for every member ``k``,
+``q·k = Σ_s q_s·c_s + q_s·(k_s − c_s) ≤ Σ_s (q_s·c_s + ‖q_s‖·ρ_s)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["balanced_clusters", "cluster_bounds", "cluster_upper_bounds"]
+
+POWER_ITERATIONS = 6
+RADIUS_SLACK = 1e-5
+"""Relative amount added to every stored radius: covers the float32 rounding of the distances
+and of the bound, so the bound stays above every member's logit."""
+
+
+def balanced_clusters(keys: torch.Tensor, cluster_size: int = 4) -> torch.Tensor:
+    """``[..., P]`` int64: a permutation of each group of ``keys [..., P, D]`` in which entries
+    ``[c·m, (c+1)·m)`` are the members of cluster ``c`` (``m = cluster_size``; ``P / m`` a power
+    of two)."""
+    *lead, p, d = keys.shape
+    x = keys.reshape(-1, p, d).float()
+    n = x.shape[0]
+    perm = torch.arange(p, device=keys.device).expand(n, p).clone()
+    groups = 1
+    while p // groups > cluster_size:
+        m = p // groups
+        g = torch.gather(x, 1, perm.unsqueeze(-1).expand(n, p, d)).view(n, groups, m, d)
+        centred = g - g.mean(2, keepdim=True)
+        axis = centred[:, :, 0] - centred[:, :, -1] + 1e-6  # a fixed, data-derived start
+        cov = centred.transpose(-1, -2) @ centred  # [n, G, D, D]
+        axis = axis.unsqueeze(-1)
+        for _ in range(POWER_ITERATIONS):
+            axis = cov @ axis
+            axis = axis / axis.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+        proj = (centred @ axis).squeeze(-1)
+        order = torch.argsort(proj, dim=-1, stable=True)  # lower half, upper half
+        perm = torch.gather(perm.view(n, groups, m), 2, order).view(n, p)
+        groups *= 2
+    return perm.view(*lead, p)
+
+
+def cluster_bounds(
+    keys: torch.Tensor, perm: torch.Tensor, subspaces: int, cluster_size: int = 4,
+    center_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(centres [..., C, D] in center_dtype, radii [..., C, S] float32)`` of the clusters
+    ``perm [..., P]`` of ``keys [..., P, D]``: the centre is the members' mean (rounded to
+    ``center_dtype``), the radius in subspace ``s`` (contiguous channel slices of ``D/S``) the
+    largest distance of a member to the stored centre there, raised by :data:`RADIUS_SLACK`."""
+    *lead, p, d = keys.shape
+    c = p // cluster_size
+    members = torch.gather(keys.float(), -2, perm.unsqueeze(-1).expand(*lead, p, d))
+    members = members.view(*lead, c, cluster_size, d)
+    centres = members.mean(-2).to(center_dtype)
+    diff = (members - centres.float().unsqueeze(-2)).view(*lead, c, cluster_size, subspaces, -1)
+    radii = diff.norm(dim=-1).amax(-2)  # [..., C, S]
+    return centres, radii * (1 + RADIUS_SLACK) + RADIUS_SLACK * centres.float().view(
+        *lead, c, subspaces, -1
+    ).norm(dim=-1)
+
+
+def cluster_upper_bounds(
+    query: torch.Tensor, centres: torch.Tensor, radii: torch.Tensor
+) -> torch.Tensor:
+    """``[..., g, C]`` float32 ``Σ_s (q_s·c_s + ‖q_s‖·ρ_s)`` for ``query [..., g, D]`` and the
+    clusters' ``centres [..., C, D]`` / ``radii [..., C, S]`` (same leading dims)."""
+    s = radii.shape[-1]
+    q = query.float()
+    dot = q @ centres.float().transpose(-1, -2)
+    qn = q.view(*q.shape[:-1], s, -1).norm(dim=-1)  # [..., g, S]
+    return dot + qn @ radii.transpose(-1, -2)
