@@ -62,7 +62,7 @@ def block_estimates(
     q = query.float().view(b, h, hq // h, d)
     mean_logit = torch.einsum("bhgd,bnhd->bhgn", q, mu) * scaling
     logit_var = torch.einsum("bhgd,bnhd->bhgn", q * q, var) * (scaling * scaling)
-    ninf = torch.tensor(float("-inf"), device=query.device)
+    ninf = torch.full((), float("-inf"), device=query.device)  # a fill: graph-capturable
     keep = valid.view(b, 1, 1, -1)
     log_mass = torch.where(keep, torch.log(cnt.view(b, 1, 1, -1)) + mean_logit, ninf)
     log_var = torch.where(keep, torch.log(logit_var), ninf)

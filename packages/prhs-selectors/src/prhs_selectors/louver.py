@@ -26,7 +26,7 @@ from prhs_kernels.score import score_keys
 from prhs_kernels.topk import topk_indices
 from prhs_selectors.base import BaseSelector
 
-__all__ = ["CLUSTER", "Louver", "LouverConfig", "sample_positions"]
+__all__ = ["CLUSTER", "Louver", "LouverConfig", "sample_offsets", "sample_positions"]
 
 CLUSTER = 4
 """Keys per cluster."""
@@ -34,15 +34,24 @@ CLUSTER = 4
 THRESHOLDS = ("sample", "oracle")
 
 
-def sample_positions(length: torch.Tensor, size: int, seed: int) -> torch.Tensor:
-    """``[B, size]`` int64 positions, a stratified uniform sample of ``[0, length[b])``: one per
-    stratum of ``length/size`` positions, at a fixed pseudo-random offset in it (drawn from
-    ``seed``), so every indexed position is equally likely and no random number is drawn at the
-    step. ``-1`` where ``length`` is 0."""
+def sample_offsets(size: int, seed: int) -> torch.Tensor:
+    """``[size]`` float64 offsets in ``[0, 1)`` from ``seed``: where in its stratum each sampled
+    position lies (:func:`sample_positions`)."""
     g = torch.Generator().manual_seed(seed)
-    offset = torch.rand(size, generator=g, dtype=torch.float64).to(length.device)
+    return torch.rand(size, generator=g, dtype=torch.float64)
+
+
+def sample_positions(
+    length: torch.Tensor, size: int, seed: int, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, size]`` int64 positions, a stratified uniform sample of ``[0, length[b])``: one per
+    stratum of ``length/size`` positions, at a fixed pseudo-random offset in it (``offsets``,
+    or :func:`sample_offsets` of ``seed``), so every indexed position is equally likely and no
+    random number is drawn at the step. ``-1`` where ``length`` is 0."""
+    if offsets is None:
+        offsets = sample_offsets(size, seed).to(length.device)
     j = torch.arange(size, device=length.device, dtype=torch.float64)
-    pos = torch.floor((j + offset) * length.double().unsqueeze(-1) / size).long()
+    pos = torch.floor((j + offsets) * length.double().unsqueeze(-1) / size).long()
     return torch.where(length.unsqueeze(-1) > 0, pos, -1)
 
 
@@ -157,6 +166,10 @@ class Louver(BaseSelector):
     config_type = LouverConfig
     config: LouverConfig
 
+    def __init__(self, config: LouverConfig | None = None) -> None:
+        super().__init__(config)
+        self._offsets: torch.Tensor | None = None  # the sample's, on the state's device
+
     def selection_width(self) -> int:
         ws, wl = self.window_widths()
         return ws + (self.config.budget // CLUSTER) * CLUSTER + wl
@@ -182,6 +195,8 @@ class Louver(BaseSelector):
         side.add_page_field("lv_center", (n, h, nc, d), kv_dtype, 0.0)
         side.add_page_field("lv_radius", (n, h, nc, c.subspaces), torch.float32, 0.0)
         state.pool.add_field("lv_len", (n,), torch.int64, 0)  # positions [0, len) are indexed
+        # Made once here: a host-to-device copy inside a step would not replay in a CUDA graph.
+        self._offsets = sample_offsets(c.sample_size, c.seed).to(state.device)
 
     # -- index ------------------------------------------------------------------------------
     def _index(
@@ -303,7 +318,8 @@ class Louver(BaseSelector):
             retrieved = torch.ones(b, h, dtype=torch.bool, device=length.device)
             read = kv.seq_lens.view(-1, 1).to(torch.float64) * (d * elem)
         else:
-            sample = sample_positions(length, c.sample_size, c.seed)  # [B, S]
+            assert self._offsets is not None
+            sample = sample_positions(length, c.sample_size, c.seed, self._offsets)  # [B, S]
             skeys, _ = gather_kv(kv, sample.unsqueeze(1).expand(b, h, -1), values=False)
             logits = torch.einsum("bhgd,bhsd->bhgs", q, skeys.float()) * plan.scaling
             logits = logits.masked_fill((sample < 0).view(b, 1, 1, -1), float("-inf"))
