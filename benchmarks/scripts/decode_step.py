@@ -188,7 +188,28 @@ CIS_OPTIONS: dict[str, Any] = {}
 """Options ``--cis KEY=VALUE`` adds to CIS's (its defaults otherwise)."""
 
 
+LAYERS = 4  # attention layers of every workload
+
+
+def label_table(layers: int = LAYERS) -> list[list[list[int]]]:
+    """A seeded Double Sparsity channels table: ``D // 8`` label channels per (layer, KV head)."""
+    g = torch.Generator().manual_seed(0)
+    r = D // 8
+    return [
+        [sorted(torch.randperm(D, generator=g)[:r].tolist()) for _ in range(HKV)]
+        for _ in range(layers)
+    ]
+
+
+def base_name(name: str) -> str:
+    """The registry name of a run name: ``cis-certified`` is ``cis``; ``NAME-table`` is a
+    Double Sparsity / HShare run with a channels table (a label cache)."""
+    return "cis" if name == "cis-certified" else name.removesuffix("-table")
+
+
 def selector_options(name: str, budget: int) -> dict[str, Any]:
+    if name.endswith("-table"):
+        return {"budget": budget, "channels": label_table()}
     if name in ("dense", "psaw", "etf"):
         return {}
     if name == "h2o":
@@ -289,10 +310,11 @@ def check(out: Any, steps: int, batches: list[int], only: list[str] | None = Non
     for batch in batches:
         lens = [3000] if batch == 1 else [500 + 211 * i for i in range(batch)]
         live = batch if batch == 1 else max(1, batch - 3)  # the last rows are padding (slot -1)
-        extra = ["cis-certified"] if only is None or "cis-certified" in only else []
+        pseudo = ["cis-certified", "double_sparsity-table", "hshare-table"]
+        extra = [n for n in pseudo if only is None or n in only]
         for name in [*names, *extra]:
-            base = "cis" if name == "cis-certified" else name
-            w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=batch)
+            base = base_name(name)
+            w = Workload(batch, lens, layers=LAYERS, steps=steps, drift=0.02, seed=batch)
             st = NewStep(base, selector_options(name, 64), w, live)
             snap = snapshot(st)
             eager = []
@@ -439,9 +461,9 @@ def bench_new(
 ) -> dict[str, Any]:
     opts = selector_options(name, budget) if options is None else options
     # ρ̂ of the trace, measured eagerly with statistics on.
-    st = NewStep(name, opts, w, w.batch)
+    st = NewStep(base_name(name), opts, w, w.batch)
     snap = snapshot(st)
-    meas = NewStep(name, opts, w, w.batch, stats=True)
+    meas = NewStep(base_name(name), opts, w, w.batch, stats=True)
     for t in range(steps):
         meas.load(t)
         meas.run()
@@ -563,10 +585,10 @@ def profile(out: Any, names: list[str], shape: str, budget: int, rho: float | No
     batch, t_len = int(b), int(t) * 1024
     lens = [t_len - (i * t_len) // (8 * batch) for i in range(batch)]
     for name in names:
-        w = Workload(batch, lens, layers=4, steps=4, drift=0.02, seed=7)
+        w = Workload(batch, lens, layers=LAYERS, steps=4, drift=0.02, seed=7)
         if rho is not None:
             force_jumps(w, rho)
-        st = NewStep(name, selector_options(name, budget), w, w.batch)
+        st = NewStep(base_name(name), selector_options(name, budget), w, w.batch)
         for step in range(2):
             st.load(step)
             st.run()
@@ -618,7 +640,7 @@ def bench(
         batch, t_len = int(b), int(t) * 1024
         # Mixed lengths: up to 1/8 shorter than T.
         lens = [t_len - (i * t_len) // (8 * max(batch, 1)) for i in range(batch)]
-        w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=7)
+        w = Workload(batch, lens, layers=LAYERS, steps=steps, drift=0.02, seed=7)
         dense = bench_dense(w, repeats)
         kv_bytes = sum(lens) * HKV * D * 2 * 2  # one layer's K and V
         emit(
@@ -633,7 +655,7 @@ def bench(
             },
         )
         for name in names:
-            w = Workload(batch, lens, layers=4, steps=steps, drift=0.02, seed=7)
+            w = Workload(batch, lens, layers=LAYERS, steps=steps, drift=0.02, seed=7)
             fn = bench_new if impl == "new" else bench_old
             try:
                 r = fn(name, w, steps, repeats, budget)

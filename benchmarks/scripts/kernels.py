@@ -162,7 +162,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (diff.norm() / want.double()[ok].norm().clamp_min(1e-30)).item()
 
 
-def check(out: Any) -> None:
+def check(out: Any, ops: tuple[str, ...] = ("sparse", "retrieval", "labels")) -> None:
+    """The ops against their torch references at real sizes, on every layout: ``ops`` names
+    which (sparse decode attention, retrieval probabilities, label scoring)."""
     from prhs_core import Selection
     from prhs_kernels.score import (
         retrieval_probs,
@@ -205,7 +207,7 @@ def check(out: Any) -> None:
             cnt.view(-1)[0] = 0
             sels["blocks8-ragged"] = Selection(ragged.indices, torch.minimum(cnt, ragged.counts), 8)
             for lname, kv in layouts.items():
-                for sname, sel in sels.items():
+                for sname, sel in sels.items() if "sparse" in ops else ():
                     o = torch.full((b, hq, D), float("nan"), device=DEV, dtype=dtype)
                     lse = torch.full((b, hq), float("nan"), device=DEV)
                     sparse_decode_attention(q, kv, sel, SCALING, out=o, lse=lse)
@@ -227,7 +229,7 @@ def check(out: Any) -> None:
                             "all_written": bool(not torch.isnan(o).any()),
                         },
                     )
-                for frac in (1.0, 0.1):
+                for frac in (1.0, 0.1) if "retrieval" in ops else ():
                     active = torch.rand(b, hkv, generator=gen, device=DEV) < frac
                     active.view(-1)[0] = True
                     p = torch.full((b, hkv, t), float("nan"), device=DEV)
@@ -248,9 +250,51 @@ def check(out: Any) -> None:
                             "inactive_zero": bool((p[~active] == 0).all()),
                         },
                     )
+                if "labels" in ops:
+                    check_labels(out, q, kv, lens, lname, hq, hkv, dtype, gen)
             del layouts, base
             torch.cuda.empty_cache()
     DTYPE = torch.bfloat16
+
+
+def check_labels(
+    out: Any, q: Any, kv: Any, lens: list[int], lname: str, hq: int, hkv: int, dtype: Any, gen: Any
+) -> None:
+    """Double Sparsity's label scorer (16 label channels per row) on its Triton path against
+    the torch reference, reading the channels from the key rows and from a label cache."""
+    from prhs_kernels.kv import gather_kv, token_locations
+    from prhs_kernels.labels import label_path, label_probs, label_probs_reference
+
+    b, t, r = len(lens), max(lens), D // 8
+    labels = torch.stack(
+        [torch.randperm(D, generator=gen, device=DEV)[:r] for _ in range(b * hkv)]
+    ).view(b, hkv, r)
+    pos = torch.arange(t, device=DEV).view(1, -1).expand(b, -1)
+    row_stride = t + 7
+    loc = token_locations(kv, pos, row_stride)  # [B, T]
+    n_loc = b * row_stride if lname.startswith("contig") else kv.k_pool.shape[0]
+    cache = torch.full((n_loc + 1, hkv, r), float("nan"), device=DEV, dtype=dtype)
+    keys, _ = gather_kv(kv, pos.unsqueeze(1).expand(b, hkv, t), values=False)  # [B, Hkv, T, D]
+    lab_keys = keys.gather(-1, labels.unsqueeze(2).expand(b, hkv, t, r)).transpose(1, 2)
+    ok = loc >= 0
+    cache[loc[ok]] = lab_keys[ok]
+    want = label_probs_reference(q, kv, labels, SCALING)
+    for mode, kw in (("key rows", {}), ("label cache", {"cache": cache, "row_stride": row_stride})):
+        got = label_probs(q, kv, labels, SCALING, **kw)
+        emit(
+            out,
+            {
+                "part": "check",
+                "op": f"label_probs ({mode})",
+                "path": label_path(q.device, dtype),
+                "dtype": str(dtype),
+                "lens": lens,
+                "hq/hkv": f"{hq}/{hkv}",
+                "layout": lname,
+                "rel_err": rel_err(got, want),
+                "max_abs_err": (got - want).abs().max().item(),
+            },
+        )
 
 
 def check_topk(out: Any) -> None:
@@ -711,7 +755,7 @@ def table(paths: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["check", "bench", "tune", "table"])
+    p.add_argument("part", choices=["check", "check-labels", "bench", "tune", "table"])
     p.add_argument("files", nargs="*", help="table: JSONL files")
     p.add_argument("--out", default=None)
     p.add_argument("--budget", type=int, default=1024)
@@ -746,7 +790,13 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "cis", {"budget": 256})
         check_selector_paths(out, "cis", {"budget": 256, "block_size": 1})
         check_selector_paths(out, "quest", {"budget": 256, "dense_layers": 0})
+        check_selector_paths(out, "double_sparsity", {"budget": 256, "channels": ds.label_table(2)})
         check(out)
+    elif a.part == "check-labels":
+        for name in ("double_sparsity", "hshare"):
+            check_selector_paths(out, name, {"budget": 256, "channels": ds.label_table(2)})
+        check_selector_paths(out, "double_sparsity", {"budget": 256})
+        check(out, ("labels",))
     elif a.part == "tune":
         for item in a.step_shapes.split(","):
             b, t, h = item.split("x")

@@ -206,3 +206,45 @@ def test_label_channels_above_the_head_dim_is_refused(make_sim) -> None:
     sim = make_sim([10], num_q_heads=2, num_kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="label_channels=9 exceeds head_dim=8"):
         sim.attach(DoubleSparsity(DoubleSparsityConfig(label_channels=9)))
+
+
+@pytest.mark.parametrize(("lengths", "hq", "hkv", "d"), GEOMETRIES[:2], ids=IDS[:2])
+def test_a_table_keeps_a_label_cache_and_the_proxy_reads_it(
+    make_sim, layout, lengths, hq, hkv, d
+) -> None:
+    from prhs_kernels.kv import token_locations
+
+    sim = make_sim(
+        lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, layout=layout, num_layers=2,
+        max_new_tokens=1,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(9)
+    table = [[torch.randperm(d, generator=gen)[:3].tolist() for _ in range(hkv)] for _ in range(2)]
+    ds = DoubleSparsity(DoubleSparsityConfig(budget=4, n_sink=1, n_local=2, channels=table))
+    sim.attach(ds)
+    state = sim.state(ds)
+    assert ds.uses_side_cache() and state.side is not None
+    plan = sim.update()
+    b, t = len(lengths), sim.keys[0].shape[2]
+    pos = torch.arange(t).view(1, -1).expand(b, -1)
+    for layer in range(2):
+        kv = sim.kv(layer)
+        loc = token_locations(kv, pos, state.row_stride)  # [B, T]
+        cache = state.side["ds_keys"][:, layer]
+        lab = torch.tensor(table[layer])  # [Hkv, r]
+        for bi, n in enumerate(sim.lengths.tolist()):
+            want = sim.keys[layer][bi, :, :n].gather(-1, lab.unsqueeze(1).expand(-1, n, -1))
+            torch.testing.assert_close(cache[loc[bi, :n]].transpose(0, 1), want)
+        # With the label cache zeroed every proxy logit is 0: the probabilities are uniform,
+        # whatever the key rows hold. So the proxy reads the cache.
+        cache.zero_()
+        probs = ds.proxy_probs(plan, layer, sim.queries[layer], kv, state)
+        for bi, n in enumerate(sim.lengths.tolist()):
+            torch.testing.assert_close(probs[bi, :, :n], torch.full((hkv, n), 1.0 / n))
+
+
+def test_prompt_labels_keep_no_label_cache(make_sim) -> None:
+    sim = make_sim([9], num_q_heads=2, num_kv_heads=1, head_dim=8)
+    ds = DoubleSparsity(DoubleSparsityConfig(budget=2, label_channels=2))
+    sim.attach(ds)
+    assert not ds.uses_side_cache() and sim.state(ds).side is None

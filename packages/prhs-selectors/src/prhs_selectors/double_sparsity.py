@@ -21,8 +21,7 @@ from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
-from prhs_kernels.labels import label_logits
-from prhs_kernels.score import retrieval_probs_reference
+from prhs_kernels.labels import label_probs
 from prhs_selectors.base import BaseSelector
 
 __all__ = [
@@ -190,6 +189,10 @@ class DoubleSparsity(BaseSelector):
         r = c.label_channels if c.label_channels is not None else max(1, d // 8)
         return r
 
+    def uses_side_cache(self) -> bool:
+        """With a channels table: a label cache, the ``r`` label channels of every key."""
+        return self.config.channels is not None
+
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         c = self.config
         d, h, n = spec.head_dim, spec.num_kv_heads, spec.num_layers
@@ -202,6 +205,27 @@ class DoubleSparsity(BaseSelector):
             self._table = None
             return
         self._table = self._table_tensor(spec, state.device)
+        side = state.side
+        assert side is not None
+        side.add_field("ds_keys", (n, h, self._table.shape[-1]), kv_dtype, 0)
+
+    def write_side(
+        self,
+        state: SelectorState,
+        layer: int,
+        locations: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        finite: torch.Tensor,
+    ) -> None:
+        """Copy the label channels of the finite ``key`` rows into the label cache."""
+        side, table = state.side, self._table
+        assert side is not None and table is not None
+        n, h, _ = key.shape
+        lab = table[layer].unsqueeze(0).expand(n, h, -1)
+        rows = torch.where(finite, side.rows_of(locations), side.scratch_location)
+        field = side["ds_keys"][:, layer]  # [R + 1, Hkv, r], a view
+        field.index_copy_(0, rows, torch.gather(key, -1, lab).to(field.dtype))
 
     def _table_tensor(self, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
         table = self.config.channels
@@ -243,9 +267,14 @@ class DoubleSparsity(BaseSelector):
     def proxy_probs(
         self, plan: DecodePlan, layer: int, query: torch.Tensor, kv: KVLayout, state: SelectorState
     ) -> torch.Tensor:
-        """``[B, Hkv, T]`` group-mean softmax of the label logits."""
-        logits = label_logits(query, kv, self.labels_of(plan, layer, state), plan.scaling)
-        return retrieval_probs_reference(logits, None)
+        """``[B, Hkv, T]`` group-mean softmax of the label logits
+        (:func:`prhs_kernels.labels.label_probs`), read from the label cache with a channels
+        table, else from the key rows."""
+        labels = self.labels_of(plan, layer, state)
+        cache = None if state.side is None else state.side["ds_keys"][:, layer]
+        return label_probs(
+            query, kv, labels, plan.scaling, cache=cache, row_stride=state.row_stride
+        )
 
     def proxy_bytes(self, kv: KVLayout) -> torch.Tensor:
         """``[B, 1]`` float64 bytes of label channels read for every cached key."""

@@ -49,6 +49,9 @@ def _logits_kernel(
     LOGITS,
     SM,
     SL,
+    LAB,
+    stride_lb,
+    stride_lh,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -71,6 +74,8 @@ def _logits_kernel(
     HAS_ACTIVE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
+    Q_LABELS: tl.constexpr,
+    K_LABELS: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
     # rows itself (a prefix sum of the flags), so no program is spent on a row that does not
@@ -96,10 +101,18 @@ def _logits_kernel(
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G
+        d_ok = offs_d < D
+        # Channels: 0..D-1, or (label scoring) the D channel ids of this row's KV head; the
+        # query is read at them, and so are the keys unless K holds only those channels.
+        if Q_LABELS:
+            chan = tl.load(LAB + b * stride_lb + h * stride_lh + offs_d, mask=d_ok, other=0)
+            chan = chan.to(tl.int64)
+        else:
+            chan = offs_d
         q_ptr = (
-            Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+            Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + chan[None, :]
         )
-        q = tl.load(q_ptr, mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         if PAGED:
@@ -122,8 +135,11 @@ def _logits_kernel(
                 if HAS_START:
                     t = pos64 + start
                 k_row = b.to(tl.int64) * stride_kb + h * stride_kh + t * stride_kt
-            k_mask = ok[:, None] & (offs_d[None, :] < D)
-            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
+            k_mask = ok[:, None] & d_ok[None, :]
+            if K_LABELS:
+                k = tl.load(K + k_row[:, None] + chan[None, :], mask=k_mask, other=0.0)
+            else:
+                k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
             if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -205,10 +221,21 @@ def _kernels(interpret: bool) -> tuple[object, object]:
 
 
 def retrieval_logits_triton(
-    query: torch.Tensor, kv: KVLayout, scaling: float, active: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor | None,
+    *,
+    labels: torch.Tensor | None = None,
+    key_cache: tuple[torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """The first pass: ``(logits [B * Hkv * g, T], span max, span sum, spans, BLOCK_G, span
-    length)``; rows not ``active`` are left unwritten."""
+    length)``; rows not ``active`` are left unwritten.
+
+    ``labels [B, Hkv, r]`` (integer channel ids): score only those channels of the query and
+    of each key. ``key_cache = (cache [R, Hkv, r], row_stride)``: read the keys' label channels
+    from ``cache`` (row ``b * row_stride + t`` of a contiguous cache, the token's slot of a
+    paged one) instead of the key rows; needs ``labels``."""
     b, hq, d = query.shape
     hkv = kv.num_kv_heads
     g = hq // hkv
@@ -238,17 +265,32 @@ def retrieval_logits_triton(
         req2tok, reqidx = kv.req_to_token, kv.req_pool_indices
         stride_rt = kv.req_to_token.stride(0)
         start, has_start, paged = kv.seq_lens, False, True
+    if labels is not None:
+        d = labels.shape[-1]
+        lab, slb, slh = labels, labels.stride(0), labels.stride(1)
+        if labels.stride(-1) != 1:
+            lab = labels.contiguous()
+            slb, slh = lab.stride(0), lab.stride(1)
+    else:
+        lab, slb, slh = kv.seq_lens, 0, 0  # unused
+    if key_cache is not None:
+        k, row_stride = key_cache
+        skt, skh = k.stride(0), k.stride(1)
+        skb = row_stride * skt  # contiguous: row b * row_stride + t (no start offset)
+        has_start = False
+        start = kv.seq_lens
     if k.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
     logits_kernel, _ = _kernels(interpreting())
     programs = min(b * hkv * n_spans, TUNING["programs_per_sm"] * _multiprocessors(dev))
     logits_kernel[(programs,)](
-        query, k, flags, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl,
+        query, k, flags, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl, lab, slb, slh,
         query.stride(0), query.stride(1), skb, skh, skt, stride_rt,
         float(scaling), t_max, b * hkv, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
+        Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
@@ -260,8 +302,12 @@ def retrieval_probs_triton(
     scaling: float,
     active: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    key_cache: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """The launcher's Triton path (inputs checked): ``[B, Hkv, T]`` float32."""
+    """The launcher's Triton path (inputs checked): ``[B, Hkv, T]`` float32. ``labels`` and
+    ``key_cache`` as :func:`retrieval_logits_triton` (label scoring)."""
     b, hq, _ = query.shape
     hkv = kv.num_kv_heads
     g = hq // hkv
@@ -269,7 +315,9 @@ def retrieval_probs_triton(
     given = out
     if out is None or out.stride(-1) != 1:
         out = torch.empty(b, hkv, t_max, dtype=torch.float32, device=query.device)
-    logits, sm, sl, n_spans, block_g, span = retrieval_logits_triton(query, kv, scaling, active)
+    logits, sm, sl, n_spans, block_g, span = retrieval_logits_triton(
+        query, kv, scaling, active, labels=labels, key_cache=key_cache
+    )
     flags = active.reshape(-1).view(torch.uint8) if active is not None else kv.seq_lens
     _, probs_kernel = _kernels(interpreting())
     probs_kernel[(b * hkv, n_spans)](
