@@ -162,9 +162,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (diff.norm() / want.double()[ok].norm().clamp_min(1e-30)).item()
 
 
-def check(out: Any, ops: tuple[str, ...] = ("sparse", "retrieval", "labels")) -> None:
+def check(out: Any, ops: tuple[str, ...] = ("sparse", "retrieval", "labels", "rabitq")) -> None:
     """The ops against their torch references at real sizes, on every layout: ``ops`` names
-    which (sparse decode attention, retrieval probabilities, label scoring)."""
+    which (sparse decode attention, retrieval probabilities, label scoring, RaBitQ logits)."""
     from prhs_core import Selection
     from prhs_kernels.score import (
         retrieval_probs,
@@ -252,9 +252,54 @@ def check(out: Any, ops: tuple[str, ...] = ("sparse", "retrieval", "labels")) ->
                     )
                 if "labels" in ops:
                     check_labels(out, q, kv, lens, lname, hq, hkv, dtype, gen)
+                if "rabitq" in ops:
+                    check_rabitq(out, q, kv, lens, lname, hq, hkv, dtype, gen)
             del layouts, base
             torch.cuda.empty_cache()
     DTYPE = torch.bfloat16
+
+
+def check_rabitq(
+    out: Any, q: Any, kv: Any, lens: list[int], lname: str, hq: int, hkv: int, dtype: Any, gen: Any
+) -> None:
+    """RaBitQ's logit estimates on their Triton path against the torch reference, over random
+    side-cache fields read at each position's KV location."""
+    from prhs_kernels.rabitq import (
+        rabitq_logits,
+        rabitq_logits_reference,
+        rabitq_path,
+        random_rotation,
+    )
+
+    b, t = len(lens), max(lens)
+    row_stride = t + 7
+    n_loc = b * row_stride if lname.startswith("contig") else kv.k_pool.shape[0]
+    codes = torch.randint(0, 256, (n_loc + 1, hkv, D // 8), generator=gen, device=DEV)
+    codes = codes.to(torch.uint8)
+    factor = torch.rand(n_loc + 1, hkv, generator=gen, device=DEV)
+    cqk = torch.randn(n_loc + 1, hkv, generator=gen, device=DEV)
+    ck = torch.randn(b, hkv, D, generator=gen, device=DEV)
+    cq = torch.randn(b, hkv, D, generator=gen, device=DEV)
+    p, u = (x.to(DEV) for x in random_rotation(D, 1))
+    args = (q, kv, codes, factor, cqk, ck, cq, p, u, SCALING)
+    got = rabitq_logits(*args, row_stride=row_stride)
+    want = rabitq_logits_reference(*args, row_stride)
+    fin = torch.isfinite(want)
+    emit(
+        out,
+        {
+            "part": "check",
+            "op": "rabitq_logits",
+            "path": rabitq_path(q.device, dtype),
+            "dtype": str(dtype),
+            "lens": lens,
+            "hq/hkv": f"{hq}/{hkv}",
+            "layout": lname,
+            "rel_err": rel_err(got[fin], want[fin]),
+            "max_abs_err": (got[fin] - want[fin]).abs().max().item(),
+            "inf_equal": bool(torch.equal(torch.isinf(got), torch.isinf(want))),
+        },
+    )
 
 
 def check_labels(
@@ -755,7 +800,7 @@ def table(paths: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["check", "check-labels", "bench", "tune", "table"])
+    p.add_argument("part", choices=["check", "check-proxies", "bench", "tune", "table"])
     p.add_argument("files", nargs="*", help="table: JSONL files")
     p.add_argument("--out", default=None)
     p.add_argument("--budget", type=int, default=1024)
@@ -791,12 +836,14 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "cis", {"budget": 256, "block_size": 1})
         check_selector_paths(out, "quest", {"budget": 256, "dense_layers": 0})
         check_selector_paths(out, "double_sparsity", {"budget": 256, "channels": ds.label_table(2)})
+        check_selector_paths(out, "rabitq", {"budget": 256, "dense_layers": 0})
         check(out)
-    elif a.part == "check-labels":
+    elif a.part == "check-proxies":
         for name in ("double_sparsity", "hshare"):
             check_selector_paths(out, name, {"budget": 256, "channels": ds.label_table(2)})
         check_selector_paths(out, "double_sparsity", {"budget": 256})
-        check(out, ("labels",))
+        check_selector_paths(out, "rabitq", {"budget": 256, "dense_layers": 0})
+        check(out, ("labels", "rabitq"))
     elif a.part == "tune":
         for item in a.step_shapes.split(","):
             b, t, h = item.split("x")

@@ -1,4 +1,5 @@
-"""prhs_kernels.rabitq: bit packing, the rotation, and the estimator's unbiasedness over seeds."""
+"""prhs_kernels.rabitq: bit packing, the rotation, the estimator's unbiasedness over seeds, the
+integer form of the 4-bit query, and the logits read from side-cache fields on every layout."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import math
 import pytest
 import torch
 
+from prhs_kernels.kv import token_locations
 from prhs_kernels.rabitq import (
     estimate_inner,
+    estimate_logits,
     pack_bits,
     quantize_keys,
     quantize_query,
+    query_codes,
+    rabitq_logits,
     random_rotation,
     unpack_signs,
 )
@@ -81,3 +86,83 @@ def test_the_4bit_query_is_unbiased_in_its_dither() -> None:
         acc += quantize_query(x, torch.rand(32, generator=g))
     scale = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15
     assert bool(((acc / n - x).abs() < 0.05 * scale).all())
+
+
+def rabitq_fields(data, name: str, d: int, row_stride: int, gen: torch.Generator):
+    """Random side-cache fields of one layer (strided views of two-layer fields) and the
+    centroids: ``(codes [R, Hkv, D/8], factor [R, Hkv], cqk [R, Hkv], ck, cq)``."""
+    kv = data[name]
+    b, hkv = len(data.lens), kv.num_kv_heads
+    n_loc = b * row_stride if name.startswith("contig") else kv.k_pool.shape[0]
+    codes = torch.randint(0, 256, (n_loc + 1, 2, hkv, d // 8), generator=gen, dtype=torch.uint8)
+    factor = torch.rand(n_loc + 1, hkv, 2, generator=gen)
+    cqk = torch.randn(n_loc + 1, hkv, generator=gen)
+    ck = torch.randn(b, hkv, d, generator=gen)
+    cq = torch.randn(b, hkv, d, generator=gen)
+    return codes[:, 1], factor[..., 0], cqk, ck, cq
+
+
+def test_the_integer_query_is_the_dequantised_one() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 32, generator=g)
+    ck, cq = torch.randn(2, 2, 32, generator=g), torch.randn(2, 2, 32, generator=g)
+    p, u = random_rotation(32, 1)
+    code, lo, scale, total, const = query_codes(q, ck, cq, p, u)
+    assert bool((code == code.round()).all()) and code.min() >= 0 and code.max() <= 15
+    rot = (q.view(2, 2, 3, 32) - cq.unsqueeze(2)) @ p
+    q_bar = quantize_query(rot, u).view(2, 6, 32)
+    torch.testing.assert_close(lo.unsqueeze(-1) + scale.unsqueeze(-1) * code, q_bar)
+    torch.testing.assert_close(total, q_bar.sum(-1), rtol=1e-5, atol=1e-4)
+    want = torch.einsum("bhgd,bhd->bhg", q.view(2, 2, 3, 32), ck) - (cq * ck).sum(-1, True)
+    torch.testing.assert_close(const, want.view(2, 6))
+
+
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [([1], 2, 2, 8), ([37, 5, 1], 8, 2, 16)])
+def test_logits_from_the_side_cache_are_the_estimates_of_each_position(
+    make_kv, layout_name, lens, hq, hkv, d
+) -> None:
+    data = make_kv(lens, hkv, d)
+    kv = data[layout_name]
+    b, t = len(lens), max(lens)
+    gen = torch.Generator().manual_seed(5)
+    row_stride = t + 4
+    codes, factor, cqk, ck, cq = rabitq_fields(data, layout_name, d, row_stride, gen)
+    q = torch.randn(b, hq, d, generator=gen)
+    p, u = random_rotation(d, 2)
+    got = rabitq_logits(q, kv, codes, factor, cqk, ck, cq, p, u, 0.3, row_stride=row_stride)
+    assert got.shape == (b, hkv, hq // hkv, t) and got.dtype == torch.float32
+    loc = token_locations(kv, torch.arange(t).view(1, -1).expand(b, -1), row_stride)
+    for i, n in enumerate(lens):
+        at = loc[i : i + 1, :n]
+        want = estimate_logits(
+            q[i : i + 1], codes[at], factor[at], cqk[at], ck[i : i + 1], cq[i : i + 1], p, u, 0.3
+        )
+        torch.testing.assert_close(got[i : i + 1, ..., :n], want)
+        assert bool(torch.isneginf(got[i, ..., n:]).all())
+
+
+def test_bad_side_cache_fields_are_refused(make_kv) -> None:
+    data = make_kv([5], 2, 16)
+    kv = data["contig"]
+    gen = torch.Generator().manual_seed(0)
+    codes, factor, cqk, ck, cq = rabitq_fields(data, "contig", 16, 8, gen)
+    q = torch.randn(1, 4, 16)
+    p, u = random_rotation(16, 0)
+    args = dict(codes=codes, factor=factor, cqk=cqk, ck=ck, cq=cq, rotation=p, dither=u)
+
+    def call(**change):
+        kw = {**args, **change}
+        return rabitq_logits(q, kv, scaling=1.0, row_stride=8, **kw)
+
+    with pytest.raises(TypeError, match="codes must be a uint8 tensor"):
+        call(codes=codes.float())
+    with pytest.raises(ValueError, match=r"codes must be \[R, Hkv=2, D/8=2\]"):
+        call(codes=codes[:, :1])
+    with pytest.raises(ValueError, match=r"factor must be float32 \[R=9, Hkv=2\]"):
+        call(factor=factor[:3])
+    with pytest.raises(ValueError, match=r"ck must be float32 \[B=1, Hkv=2, D=16\]"):
+        call(ck=ck.double())
+    with pytest.raises(ValueError, match="rotation must be"):
+        call(rotation=p[:8])
+    with pytest.raises(ValueError, match="row_stride must be >= 1"):
+        rabitq_logits(q, kv, scaling=1.0, row_stride=0, **args)

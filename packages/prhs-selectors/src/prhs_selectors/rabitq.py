@@ -21,7 +21,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels.kv import gather_kv, token_locations
-from prhs_kernels.rabitq import estimate_inner, quantize_keys, quantize_query, random_rotation
+from prhs_kernels.rabitq import estimate_logits, quantize_keys, rabitq_logits, random_rotation
 from prhs_kernels.topk import top_p_indices
 from prhs_selectors.base import BaseSelector
 
@@ -81,34 +81,6 @@ class RaBitQConfig(SelectorConfig):
                 f"n_local ({self.n_local}) must be >= group ({self.group}): the positions not yet "
                 "quantised are read through the local window"
             )
-
-
-def estimate_logits(
-    query: torch.Tensor,
-    codes: torch.Tensor,
-    factor: torch.Tensor,
-    cqk: torch.Tensor,
-    ck: torch.Tensor,
-    cq: torch.Tensor,
-    rotation: torch.Tensor,
-    dither: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """``[B, Hkv, g, T]`` float32 estimated logits ``s·⟨q, k⟩`` of quantised keys.
-
-    ``query [B, Hq, D]``; per key ``codes [B, T, Hkv, D/8]``, ``factor [B, T, Hkv]`` and
-    ``cqk = c_q·k`` ``[B, T, Hkv]``; per (sequence, KV head) the centroids ``ck``, ``cq``
-    ``[B, Hkv, D]``. ``⟨q, k⟩ = ⟨q − c_q, k − c_k⟩ + q·c_k + c_q·k − c_q·c_k``, the first term
-    estimated by RaBitQ from the 4-bit dithered rotated query ``Pᵀ(q − c_q)``."""
-    b, hq, d = query.shape
-    h = ck.shape[1]
-    q = query.float().view(b, h, hq // h, d)
-    rotated = (q - cq.unsqueeze(2)) @ rotation
-    q_bar = quantize_query(rotated, dither)
-    inner = estimate_inner(q_bar, codes.transpose(1, 2), factor.transpose(1, 2))
-    qck = torch.einsum("bhgd,bhd->bhg", q, ck).unsqueeze(-1)
-    cqck = (cq * ck).sum(-1).view(b, h, 1, 1)
-    return (inner + qck + cqk.transpose(1, 2).unsqueeze(2) - cqck) * scaling
 
 
 @selectors.register(
@@ -321,21 +293,21 @@ class RaBitQ(BaseSelector):
         b, h, d, t = kv.batch_size, kv.num_kv_heads, kv.head_dim, kv.max_len
         qlen = self._quantize_next_group(plan, layer, row, kv, state)
         pos = torch.arange(t, device=qlen.device).view(1, -1)
-        loc = token_locations(kv, pos.expand(b, -1), state.row_stride)  # [B, T]
-        at = side.rows_of(loc)
         p, dither = self.rotation(layer)
         slots = plan.slots
-        est = estimate_logits(
+        est = rabitq_logits(
             query,
-            side["rq_codes"][at, row],
-            side["rq_factor"][at, row],
-            side["rq_cqk"][at, row],
+            kv,
+            side["rq_codes"][:, row],
+            side["rq_factor"][:, row],
+            side["rq_cqk"][:, row],
             state.pool["rq_ck"][slots, row],
             state.pool["rq_cq"][slots, row],
             p,
             dither,
             plan.scaling,
-        )  # fmt: skip  [B, Hkv, g, T]
+            row_stride=state.row_stride,
+        )  # [B, Hkv, g, T]
         # Exact logits of the windows' positions, estimated ones of the other quantised ones.
         sink, local = self.windows(kv)
         win = torch.cat([sink, local], -1)  # [B, W] positions (-1: none)

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Double Sparsity / HShare label scoring on one GPU: the Triton label scorer against its torch
-# reference at real sizes (key rows and label cache, every layout), the selectors' Triton step
-# against their torch step, CUDA-graph replay equals eager, then step timings against dense
-# attention, oracle and Quest (budget 1024, Hq 32, Hkv 8, D 128, bf16). Run from the repo root.
+# The proxy scorers on one GPU (Double Sparsity / HShare label scoring, RaBitQ binary x 4-bit
+# estimates): each Triton kernel against its torch reference at real sizes on every layout, the
+# selectors' Triton step against their torch step, CUDA-graph replay equals eager, then step
+# timings against dense attention, oracle and Quest (budget 1024, Hq 32, Hkv 8, D 128, bf16).
+# Run from the repo root.
 set -uo pipefail
-OUT=${OUT:-labels-out}
+OUT=${OUT:-proxies-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-SEL=${SEL:-double_sparsity,double_sparsity-table,hshare,hshare-table}
-python benchmarks/scripts/kernels.py check-labels --out "$OUT/check.jsonl" > "$OUT/check.log" 2>&1
+SEL=${SEL:-double_sparsity,double_sparsity-table,hshare,hshare-table,rabitq}
+python benchmarks/scripts/kernels.py check-proxies --out "$OUT/check.jsonl" > "$OUT/check.log" 2>&1
 echo "check rc=$?"
 python benchmarks/scripts/decode_step.py check --selectors "$SEL" --batches 1,16 --steps 16 --out "$OUT/graph.jsonl" > "$OUT/graph.log" 2>&1
 echo "graph rc=$?"
@@ -28,8 +29,8 @@ for f in ("check", "graph", "bench"):
     for r in rows:
         if r.get("part") == "machine":
             print(r)
-        elif "label" in str(r.get("op", "")) or "step:" in str(r.get("op", "")):
-            print({k: r.get(k) for k in ("op", "path", "paths", "dtype", "layout", "hq/hkv", "rel_err", "max_abs_err", "equal_selections", "max_out_rel_diff")})
+        elif r.get("part") == "check" and "op" in r:
+            print({k: r.get(k) for k in ("op", "path", "paths", "dtype", "layout", "hq/hkv", "rel_err", "max_abs_err", "inf_equal", "equal_selections", "max_out_rel_diff")})
         elif "selector" in r and r.get("part") == "check":
             print(r["selector"], r["batch"], "graph==eager", r["graph_equals_eager"], r["max_abs_diff"], r["capture_error"], r["sync_error"])
         elif r.get("part") == "bench":
