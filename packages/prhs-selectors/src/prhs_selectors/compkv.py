@@ -21,11 +21,12 @@ from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
+from prhs_kernels.compkv import block_compensation, block_estimates, block_validity
 from prhs_kernels.kv import token_locations
 from prhs_kernels.topk import topk_indices
 from prhs_selectors.base import BaseSelector
 
-__all__ = ["CompKV", "CompKVConfig", "block_estimates"]
+__all__ = ["CompKV", "CompKVConfig"]
 
 _FIELDS = ("ck_ksum", "ck_ksq", "ck_vsum")
 
@@ -37,36 +38,6 @@ class CompKVConfig(SelectorConfig):
     blocks besides the blocks of the sink and local windows."""
 
     block_size: int = 16
-
-
-def block_estimates(
-    query: torch.Tensor,
-    ksum: torch.Tensor,
-    ksq: torch.Tensor,
-    count: torch.Tensor,
-    valid: torch.Tensor,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block and query head: ``(log_mass, log_var)``, each ``[B, Hkv, g, NB]`` float32.
-
-    ``query [B, Hq, D]``; per block the key sum ``ksum`` and sum of squares ``ksq``
-    ``[B, NB, Hkv, D]`` and its count of keys ``count [B, NB]``; ``valid [B, NB]`` the blocks
-    that exist. ``log_mass = log|B| + s·q·μ_B`` (the block's estimated softmax mass, up to the
-    partition function) and ``log_var = log(s²·Σ_j q_j²·σ²_{B,j})`` (the estimated variance of
-    its logits), ``-inf`` where the block is not valid."""
-    b, hq, d = query.shape
-    h = ksum.shape[2]
-    cnt = torch.where(valid, count, torch.ones_like(count)).unsqueeze(-1).unsqueeze(-1)
-    mu = ksum / cnt
-    var = (ksq / cnt - mu * mu).clamp_min(0.0)
-    q = query.float().view(b, h, hq // h, d)
-    mean_logit = torch.einsum("bhgd,bnhd->bhgn", q, mu) * scaling
-    logit_var = torch.einsum("bhgd,bnhd->bhgn", q * q, var) * (scaling * scaling)
-    ninf = torch.full((), float("-inf"), device=query.device)  # a fill: graph-capturable
-    keep = valid.view(b, 1, 1, -1)
-    log_mass = torch.where(keep, torch.log(cnt.view(b, 1, 1, -1)) + mean_logit, ninf)
-    log_var = torch.where(keep, torch.log(logit_var), ninf)
-    return log_mass, log_var
 
 
 @selectors.register(
@@ -182,13 +153,13 @@ class CompKV(BaseSelector):
         first_pos = torch.arange(n_blocks, device=kv.seq_lens.device) * p
         loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
         pages = side.pages_of(loc)  # [B, NB]
-        count = side["ck_count"][pages, layer]  # [B, NB]
-        exists = first_pos.view(1, -1) < kv.seq_lens.view(-1, 1)
-        valid = exists & (count > 0)
-        ksum = side["ck_ksum"][pages, layer]  # [B, NB, Hkv, D]
+        count = side["ck_count"][:, layer]  # [P + 1], views: read in place
+        fields = dict(block_size=p, kv_dtype=kv.dtype)
         log_mass, log_var = block_estimates(
-            query, ksum, side["ck_ksq"][pages, layer], count, valid, plan.scaling
-        )
+            query, side["ck_ksum"][:, layer], side["ck_ksq"][:, layer], count, pages,
+            kv.seq_lens, scaling=plan.scaling, **fields,
+        )  # fmt: skip
+        _, valid = block_validity(count, pages, kv.seq_lens, p)  # [B, NB]: exists, holds a key
         log_z = torch.logsumexp(log_mass, -1, keepdim=True)
         log_z = torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
         score = torch.exp(log_mass + log_var - log_z).sum(2)  # [B, Hkv, NB]
@@ -206,9 +177,9 @@ class CompKV(BaseSelector):
         c_lse = torch.logsumexp(lm, -1)  # [B, Hkv, g]
         c_safe = torch.where(torch.isfinite(c_lse), c_lse, torch.zeros_like(c_lse))
         weight = torch.exp(lm - c_safe.unsqueeze(-1))
-        cnt = torch.where(valid, count, torch.ones_like(count)).view(b, n_blocks, 1, 1)
-        vbar = side["ck_vsum"][pages, layer] / cnt
-        c_out = torch.einsum("bhgn,bnhd->bhgd", weight, vbar)
+        c_out = block_compensation(
+            weight, side["ck_vsum"][:, layer], count, pages, kv.seq_lens, **fields
+        )  # [B, Hkv, g, D]
         comp = sel.compensation
         assert comp is not None
         comp.lse.copy_(c_lse.reshape(b, hq))
