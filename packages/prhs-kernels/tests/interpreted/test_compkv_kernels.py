@@ -18,7 +18,6 @@ from prhs_kernels.compkv import (
     compkv_path,
 )
 
-
 # A block whose logit variance is 0 has log 0 = -inf, in both paths, by design.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
