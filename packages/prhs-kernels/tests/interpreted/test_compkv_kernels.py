@@ -2,7 +2,7 @@
 under Triton's interpreter (run by ``../test_triton.py``): random side-cache fields read through
 page rows (strided views, NaN in every row no valid block uses, garbage page ids past each row's
 end, empty blocks), rows of one position, lengths off the block, GQA 1 / 4 / 8, D not a power
-of two."""
+of two, more blocks than one compensation split."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ CASES = [
     ([37, 5, 1], 8, 2, 16, 4),  # GQA 4, lengths off the block
     ([700, 3], 8, 1, 64, 16),  # GQA 8, more blocks than a tile
     ([50, 33], 6, 2, 24, 8),  # D not a power of two
+    ([2100, 9], 4, 2, 16, 4),  # 525 blocks: three compensation splits
 ]
 IDS = [f"T{max(c[0])}-B{len(c[0])}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-b{c[4]}" for c in CASES]
 

@@ -2,10 +2,12 @@
 through each block's page row (no gathered copy of the fields):
 
 - ``_estimates_kernel``, grid ``(B * Hkv, ceil(NB / BLOCK_N))``: a tile of blocks' key sums,
-  sums of squares and counts, their means and variances, and for the group's ``g`` query heads
-  ``log|B| + s·q·μ`` and ``log(s²·Σ q²·σ²)`` by two float32 ``tl.dot``.
-- ``_compensation_kernel``, grid ``(B * Hkv,)``: walks the blocks and accumulates
-  ``Σ_n w[g, n]·v̄_n`` for the group, reading each valid block's value sum once.
+  sums of squares and counts, their means and variances, and for each of the group's ``g``
+  query heads ``log|B| + s·q·μ`` and ``log(s²·Σ q²·σ²)`` (float32 products and sums: no
+  reduced-precision ``tl.dot``, so the ranking matches the reference's).
+- ``_compensation_kernel``, grid ``(B * Hkv, ceil(NB / SPLIT))``: each program walks ``SPLIT``
+  blocks and accumulates ``Σ_n w[g, n]·v̄_n`` for the group, reading each valid block's value
+  sum once; the splits' partial sums are added after.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prhs_kernels.paths import interpreting
 __all__ = ["block_compensation_triton", "block_estimates_triton"]
 
 BLOCK_N = 32
+SPLIT = 256  # blocks per program of the compensation (a partial sum each, added after)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -64,15 +67,8 @@ def _estimates_kernel(
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
     d_ok = offs_d < D
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-        mask=g_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
     seq_len = tl.load(LENS + b)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     page, cnt, valid = _blocks(
@@ -87,14 +83,16 @@ def _estimates_kernel(
     )
     mu = ks / cnt[:, None]
     var = tl.maximum(kq / cnt[:, None] - mu * mu, 0.0)
-    mean = tl.dot(q, tl.trans(mu), input_precision="ieee") * scaling  # [BLOCK_G, BLOCK_N]
-    lvar = tl.dot(q * q, tl.trans(var), input_precision="ieee") * (scaling * scaling)
-    log_mass = tl.where(valid[None, :], tl.log(cnt)[None, :] + mean, float("-inf"))
-    log_var = tl.where(valid[None, :], tl.log(lvar), float("-inf"))
-    row = (pid.to(tl.int64) * G + offs_g)[:, None] * nb + offs_n[None, :]
-    m_out = g_ok[:, None] & (offs_n < nb)[None, :]
-    tl.store(LOG_MASS + row, log_mass, mask=m_out)
-    tl.store(LOG_VAR + row, log_var, mask=m_out)
+    log_cnt = tl.log(cnt)
+    n_ok = offs_n < nb
+    q_base = Q + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
+    for gi in tl.static_range(G):  # exact float32 products, one query head at a time
+        q = tl.load(q_base + gi * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        mean = tl.sum(mu * q[None, :], 1) * scaling  # [BLOCK_N]
+        lvar = tl.sum(var * (q * q)[None, :], 1) * (scaling * scaling)
+        row = (pid.to(tl.int64) * G + gi) * nb + offs_n
+        tl.store(LOG_MASS + row, tl.where(valid, log_cnt + mean, float("-inf")), mask=n_ok)
+        tl.store(LOG_VAR + row, tl.where(valid, tl.log(lvar), float("-inf")), mask=n_ok)
 
 
 def _compensation_kernel(
@@ -116,31 +114,37 @@ def _compensation_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    # Program (row, split): blocks [split * SPLIT, (split + 1) * SPLIT); a partial sum per split.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = pid // HKV
     h = pid % HKV
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
     d_ok = offs_d < D
     seq_len = tl.load(LENS + b)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    wrow = (pid.to(tl.int64) * G + offs_g)[:, None] * nb
-    for n0 in range(0, nb, BLOCK_N):
+    w_base = W + pid.to(tl.int64) * G * nb
+    for n0 in range(split * SPLIT, tl.minimum((split + 1) * SPLIT, nb), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         page, cnt, valid = _blocks(
             PAGES, COUNT, b, offs_n, nb, seq_len, stride_pb, stride_c, block_size
         )
-        w = tl.load(W + wrow + offs_n[None, :], mask=g_ok[:, None] & valid[None, :], other=0.0)
         vs = tl.load(
             VSUM + page[:, None] * stride_vr + h * stride_vh + offs_d[None, :],
             mask=valid[:, None] & d_ok[None, :],
             other=0.0,
         )
-        acc += tl.dot(w, vs / cnt[:, None], input_precision="ieee")
-    out = OUT + (pid.to(tl.int64) * G + offs_g)[:, None] * D + offs_d[None, :]
-    tl.store(out, acc, mask=g_ok[:, None] & d_ok[None, :])
+        vbar = vs / cnt[:, None]  # [BLOCK_N, BLOCK_D]
+        for gi in tl.static_range(G):  # exact float32 products, one query head at a time
+            w = tl.load(w_base + gi * nb + offs_n, mask=valid, other=0.0)
+            part = tl.sum(w[:, None] * vbar, 0)  # [BLOCK_D]
+            acc = tl.where(offs_g[:, None] == gi, acc + part[None, :], acc)
+    rows = (split * tl.num_programs(0) + pid).to(tl.int64) * G + offs_g
+    out = OUT + rows[:, None] * D + offs_d[None, :]
+    tl.store(out, acc, mask=(offs_g < G)[:, None] & d_ok[None, :])
 
 
 @functools.cache
@@ -201,11 +205,12 @@ def block_compensation_triton(
     b, h, g, nb = weight.shape
     dv = vsum.shape[-1]
     weight = weight.float().contiguous()
-    out = torch.empty(b, h, g, dv, dtype=torch.float32, device=weight.device)
+    splits = max(1, triton.cdiv(nb, SPLIT))
+    part = torch.empty(splits, b, h, g, dv, dtype=torch.float32, device=weight.device)
     _, kernel = _compiled(interpreting())
-    kernel[(b * h,)](
-        weight, vsum, count, pages, seq_lens, out,
+    kernel[(b * h, splits)](
+        weight, vsum, count, pages, seq_lens, part,
         vsum.stride(0), vsum.stride(1), count.stride(0), pages.stride(0), nb, block_size,
-        HKV=h, **_meta(g, dv), num_warps=4,
+        HKV=h, **_meta(g, dv), SPLIT=SPLIT, num_warps=4,
     )  # fmt: skip
-    return out
+    return part.sum(0) if splits > 1 else part[0]
