@@ -838,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "double_sparsity", {"budget": 256, "channels": ds.label_table(2)})
         check_selector_paths(out, "rabitq", {"budget": 256, "dense_layers": 0})
         check_selector_paths(out, "compkv", {"budget": 256})
+        check_selector_paths(out, "louver", {"budget": 1024})
         check(out)
     elif a.part == "check-proxies":
         for name in ("double_sparsity", "hshare"):
@@ -845,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "double_sparsity", {"budget": 256})
         check_selector_paths(out, "rabitq", {"budget": 256, "dense_layers": 0})
         check_selector_paths(out, "compkv", {"budget": 256})
+        check_selector_paths(out, "louver", {"budget": 1024})
         check(out, ("labels", "rabitq"))
     elif a.part == "tune":
         for item in a.step_shapes.split(","):

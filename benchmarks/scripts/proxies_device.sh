@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The proxy scorers on one GPU (Double Sparsity / HShare label scoring, RaBitQ binary x 4-bit
-# estimates, CompKV block statistics): each Triton kernel against its torch reference at real sizes on every layout, the
+# estimates, CompKV block statistics, Louver cluster scan): each Triton kernel against its torch reference at real sizes on every layout, the
 # selectors' Triton step against their torch step, CUDA-graph replay equals eager, then step
 # timings against dense attention, oracle and Quest (budget 1024, Hq 32, Hkv 8, D 128, bf16).
 # Run from the repo root.
@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-SEL=${SEL:-double_sparsity,double_sparsity-table,hshare,hshare-table,rabitq,compkv}
+SEL=${SEL:-double_sparsity,double_sparsity-table,hshare,hshare-table,rabitq,compkv,louver}
 python benchmarks/scripts/kernels.py check-proxies --out "$OUT/check.jsonl" > "$OUT/check.log" 2>&1
 echo "check rc=$?"
 python benchmarks/scripts/decode_step.py check --selectors "$SEL" --batches 1,16 --steps 16 --out "$OUT/graph.jsonl" > "$OUT/graph.log" 2>&1

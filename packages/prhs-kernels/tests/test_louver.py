@@ -58,3 +58,30 @@ def test_pca_clusters_are_tighter_than_random_groups() -> None:
     rand = torch.stack([torch.randperm(64, generator=g) for _ in range(4)])
     _, loose = cluster_bounds(keys, rand, 4)
     assert tight.mean() < 0.8 * loose.mean()
+
+
+def test_cluster_scores_are_each_clusters_best_margin_over_the_group() -> None:
+    from prhs_kernels.louver import cluster_scores
+
+    g = torch.Generator().manual_seed(8)
+    b, h, grp, d, c, s, n_pages, r = 2, 2, 3, 16, 4, 4, 3, 9
+    q = torch.randn(b, h * grp, d, generator=g)
+    centres = torch.randn(r, 2, h, c, d, generator=g)[:, 1]  # strided, as a side cache holds
+    radii = torch.rand(r, 2, h, c, s, generator=g)[:, 0]
+    rows = torch.randint(0, r, (b, n_pages), generator=g)
+    thr = torch.randn(b, h, grp, generator=g)
+    got = cluster_scores(q, centres, radii, rows, thr, 0.5)
+    assert got.shape == (b, h, n_pages * c)
+    for bi in range(b):
+        for hi in range(h):
+            for p in range(n_pages):
+                qq = q[bi, hi * grp : (hi + 1) * grp]  # [g, D]
+                ub = cluster_upper_bounds(qq, centres[rows[bi, p], hi], radii[rows[bi, p], hi])
+                want = (ub * 0.5 - thr[bi, hi].unsqueeze(-1)).amax(0)  # [C]
+                torch.testing.assert_close(got[bi, hi, p * c : (p + 1) * c], want)
+    with pytest.raises(ValueError, match="S dividing D=16"):
+        cluster_scores(q, centres, radii[..., :3], rows, thr, 0.5)
+    with pytest.raises(TypeError, match="rows must be an int32 or int64"):
+        cluster_scores(q, centres, radii, rows.float(), thr, 0.5)
+    with pytest.raises(ValueError, match=r"threshold must be \[B=2, Hkv=2, g=3\]"):
+        cluster_scores(q, centres, radii, rows, thr[..., :2], 0.5)

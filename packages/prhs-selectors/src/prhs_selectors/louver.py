@@ -21,7 +21,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels.kv import gather_kv, token_locations
-from prhs_kernels.louver import balanced_clusters, cluster_bounds, cluster_upper_bounds
+from prhs_kernels.louver import balanced_clusters, cluster_bounds, cluster_scores
 from prhs_kernels.score import score_keys
 from prhs_kernels.topk import topk_indices
 from prhs_selectors.base import BaseSelector
@@ -301,13 +301,7 @@ class Louver(BaseSelector):
         loc = token_locations(kv, firsts.view(1, -1).expand(b, -1), state.row_stride)
         rows = side.pages_of(loc)  # [B, NP]
         indexed = firsts.view(1, -1) < length.view(-1, 1)  # [B, NP]
-        centres = side["lv_center"][rows, layer]  # [B, NP, Hkv, C, D]
-        radii = side["lv_radius"][rows, layer]
         q = query.float().view(b, h, g, d)
-        ub = cluster_upper_bounds(
-            q.unsqueeze(2), centres.transpose(1, 2), radii.transpose(1, 2)
-        )  # [B, Hkv, NP, g, C]
-        ub = ub.transpose(2, 3).reshape(b, h, g, n_pages * nc) * plan.scaling
         elem = torch.empty((), dtype=kv.dtype).element_size()
         if c.threshold == "oracle":
             logits = score_keys(query, kv, plan.scaling)  # [B, Hkv, g, T]
@@ -326,11 +320,18 @@ class Louver(BaseSelector):
             thr = logits.amax(-1)
             retrieved = None
             read = (length > 0).view(-1, 1).to(torch.float64) * (c.sample_size * d * elem)
-        margin = ub - thr.unsqueeze(-1)  # [B, Hkv, g, NP*C]
-        passes = (margin >= 0).any(2)
+        # Per cluster, max over the group of (bound - threshold): >= 0 when some head's reaches.
+        score = cluster_scores(
+            query,
+            side["lv_center"][:, layer],
+            side["lv_radius"][:, layer],
+            rows,
+            thr,
+            plan.scaling,
+        )  # fmt: skip  [B, Hkv, NP*C]
+        passes = score >= 0
         live = indexed.repeat_interleave(nc, 1).unsqueeze(1) & ~bad.unsqueeze(-1)
         eligible = passes & live
-        score = margin.amax(2)
         ids, _ = topk_indices(score, c.budget // CLUSTER, eligible)  # [B, Hkv, K] cluster ids
         # Members: page p = id // C, cluster j = id % C; positions p*page + perm[4j .. 4j+3].
         safe = ids.clamp_min(0).long()

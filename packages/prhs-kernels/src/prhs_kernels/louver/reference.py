@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["balanced_clusters", "cluster_bounds", "cluster_upper_bounds"]
+__all__ = [
+    "balanced_clusters",
+    "cluster_bounds",
+    "cluster_scores_reference",
+    "cluster_upper_bounds",
+]
 
 POWER_ITERATIONS = 6
 RADIUS_SLACK = 1e-5
@@ -80,3 +85,28 @@ def cluster_upper_bounds(
     dot = q @ centres.float().transpose(-1, -2)
     qn = q.view(*q.shape[:-1], s, -1).norm(dim=-1)  # [..., g, S]
     return dot + qn @ radii.transpose(-1, -2)
+
+
+def cluster_scores_reference(
+    query: torch.Tensor,
+    centres: torch.Tensor,
+    radii: torch.Tensor,
+    rows: torch.Tensor,
+    threshold: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``[B, Hkv, NP·C]`` float32: for each cluster of each (sequence, KV head), the largest over
+    the group's query heads of ``s·ub − threshold``, ``ub`` the cluster's logit upper bound
+    (:func:`cluster_upper_bounds`). Non-negative exactly when some query head's bound reaches
+    its threshold. ``query [B, Hq, D]``; one layer's index ``centres [R, Hkv, C, D]`` and
+    ``radii [R, Hkv, C, S]`` read at the page rows ``rows [B, NP]``; ``threshold [B, Hkv, g]``."""
+    b, hq, d = query.shape
+    h, c = centres.shape[1], centres.shape[2]
+    g = hq // h
+    n_pages = rows.shape[1]
+    q = query.float().view(b, h, 1, g, d)
+    cen = centres[rows].transpose(1, 2)  # [B, Hkv, NP, C, D]
+    rad = radii[rows].transpose(1, 2)
+    ub = cluster_upper_bounds(q, cen, rad)  # [B, Hkv, NP, g, C]
+    ub = ub.transpose(2, 3).reshape(b, h, g, n_pages * c) * scaling
+    return (ub - threshold.float().unsqueeze(-1)).amax(2)
