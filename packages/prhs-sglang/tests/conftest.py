@@ -149,7 +149,7 @@ CHUNKS = ("--chunked-prefill-size", "512")
 SERVERS: dict[str, tuple[str, ...]] = {
     # SGLang's dense backend: the reference of the parity test.
     "dense": ("--attention-backend", "torch_native", *CHUNKS, "--max-total-tokens", "8192"),
-    # A budget covering every position (sink 4 + local 32 + 1024 >= the 1000-token prompt and
+    # A budget covering every position (sink 4 + local 32 + 1024 >= the 700-token prompt and
     # its new tokens), prefill dense (no PSAW): must reproduce "dense" token for token.
     "full": (
         "--sparse-attn",
