@@ -161,6 +161,37 @@ def test_sparse_decode_writes_strided_out_buffers(monkeypatch, make_kv):
     assert torch.isnan(lse_store[..., 0]).all() and torch.isnan(lse_store[..., 2]).all()
 
 
+@pytest.mark.parametrize("waves", [0, 64], ids=["one-slice", "many-slices"])
+def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, waves):
+    # ``waves`` 0 makes every list one slice: the split kernel writes the output and lse itself
+    # and the merge is not launched; 64 spreads each list over several slices and merges them.
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setitem(sd.TUNING, "waves", waves)
+    launches = []
+    split_kernel, merge_kernel = sd._kernels(True)
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return merge_kernel[grid]
+
+    monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Counted()))
+    data = make_kv([300, 77], 2, 16, dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 16, generator=gen).bfloat16()
+    sel = _selection(2, 2, 300, 1, 260, gen)
+    splits = sd.num_splits(4, 260, torch.device("cpu"))
+    assert (splits == 1) is (waves == 0)
+    for kv in data.layouts.values():
+        out = torch.full((2, 8, 16), float("nan"), dtype=torch.bfloat16)
+        lse = torch.full((2, 8), float("nan"))
+        sparse_decode_attention(q, kv, sel, 0.25, out=out, lse=lse)
+        want = _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25)
+        _close_attention((out, lse), want, torch.bfloat16)
+    assert len(launches) == (0 if waves == 0 else len(data.layouts))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d", "dv", "s"), CASES, ids=IDS)
 def test_retrieval_probs_match_the_reference(monkeypatch, make_kv, lens, hq, hkv, d, dv, s, dtype):

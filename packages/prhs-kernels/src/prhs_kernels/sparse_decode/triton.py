@@ -1,6 +1,6 @@
 """Triton kernel of sparse decode attention: each selected K/V row is read once, in place.
 
-Two launches:
+Two launches (one when a row's list takes a single slice):
 
 1. ``_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, j)`` takes the ``j``-th slice of
    row ``(b, h)``'s list (positions, or ``s``-block entries expanded to positions, or every
@@ -8,9 +8,12 @@ Two launches:
    through the request-to-token table, no gathered copy) and runs an online softmax for *all*
    ``g = Hq / Hkv`` query heads of the group at once (one ``tl.dot`` of the ``[g, D]`` queries
    against ``[N, D]`` keys), so a row is read once per group, not once per query head. It writes
-   its unnormalised partial output, running max and sum in float32.
-2. ``_merge_kernel``, grid ``(B * Hq,)``: merges the ``S`` partials by their log-sum-exp into
-   the output (query dtype) and ``lse`` (float32), written in place into ``out=`` / ``lse=``.
+   its unnormalised partial output, running max and sum in float32 or, when the split count is
+   1 (enough (sequence, KV head) rows to fill the GPU, or lists of one tile), the normalised
+   output and ``lse`` themselves, and the merge is not launched.
+2. ``_merge_kernel``, grid ``(B * Hq,)``, for two slices or more: merges the ``S`` partials by
+   their log-sum-exp into the output (query dtype) and ``lse`` (float32), written in place into
+   ``out=`` / ``lse=``.
 
 ``S`` (the split count) is a static function of the shapes and the GPU's multiprocessor count,
 so a step keeps its launch shapes from one decode step to the next (CUDA-graph safe); slices past
@@ -54,6 +57,8 @@ def _split_kernel(
     PO,
     PM,
     PL,
+    OUT,
+    LSE,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -65,6 +70,10 @@ def _split_kernel(
     stride_ib,
     stride_ih,
     stride_rt,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
     scaling,
     k_max,
     per_split,
@@ -82,6 +91,7 @@ def _split_kernel(
     PAGED: tl.constexpr,
     HAS_START: tl.constexpr,
     UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -162,14 +172,24 @@ def _split_kernel(
         m_i = m_new
 
     qh = h * G + offs_g
-    base = (b.to(tl.int64) * (HKV * G) + qh) * n_splits + split  # [BLOCK_G]
-    tl.store(PM + base, m_i, mask=g_ok)
-    tl.store(PL + base, l_i, mask=g_ok)
-    tl.store(
-        PO + base[:, None] * DV + offs_dv[None, :],
-        acc,
-        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
-    )
+    if DIRECT:  # one slice per row: normalise and write the output here, as the merge would
+        empty = l_i == 0.0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_i)))
+        out_ptr = OUT + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + offs_dv[None, :]
+        o_ok = g_ok[:, None] & (offs_dv[None, :] < DV)
+        tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
+        tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
+    else:
+        base = (b.to(tl.int64) * (HKV * G) + qh) * n_splits + split  # [BLOCK_G]
+        tl.store(PM + base, m_i, mask=g_ok)
+        tl.store(PL + base, l_i, mask=g_ok)
+        tl.store(
+            PO + base[:, None] * DV + offs_dv[None, :],
+            acc,
+            mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+        )
 
 
 def _merge_kernel(
@@ -282,9 +302,11 @@ def sparse_decode_attention_triton(
     per_split = -(-max(max_positions, 1) // n_split)
     block_n = TUNING["block_n"]
     per_split = -(-per_split // block_n) * block_n
-    part_o = torch.empty(b, hq, n_split, dv, dtype=torch.float32, device=dev)
-    part_m = torch.empty(b, hq, n_split, dtype=torch.float32, device=dev)
-    part_l = torch.empty(b, hq, n_split, dtype=torch.float32, device=dev)
+    direct = n_split == 1  # the split kernel writes the output itself: no partials, no merge
+    n_part = 0 if direct else n_split
+    part_o = torch.empty(b, hq, n_part, dv, dtype=torch.float32, device=dev)
+    part_m = torch.empty(b, hq, n_part, dtype=torch.float32, device=dev)
+    part_l = torch.empty(b, hq, n_part, dtype=torch.float32, device=dev)
 
     paged = not isinstance(kv, ContiguousKV)
     if paged:
@@ -309,22 +331,24 @@ def sparse_decode_attention_triton(
     block_d, block_dv = _pow2(d, 16), _pow2(dv, 16)
     split_kernel[(b * hkv, n_split)](
         query, k, v, idx, cnt, kv.seq_lens, start, req2tok, reqidx,
-        part_o, part_m, part_l,
+        part_o, part_m, part_l, out, lse,
         query.stride(0), query.stride(1),
         skb, skh, skt, svb, svh, svt,
         stride_ib, stride_ih, stride_rt,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(scaling), k_max, per_split, n_split,
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
-        UPCAST=interpreting(),
+        UPCAST=interpreting(), DIRECT=direct,
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
-    merge_kernel[(b * hq,)](
-        part_o, part_m, part_l, out, lse,
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
-        HQ=hq, DV=dv, BLOCK_DV=block_dv, BLOCK_S=_pow2(n_split, 2),
-        num_warps=4,
-    )  # fmt: skip
+    if not direct:
+        merge_kernel[(b * hq,)](
+            part_o, part_m, part_l, out, lse,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
+            HQ=hq, DV=dv, BLOCK_DV=block_dv, BLOCK_S=_pow2(n_split, 2),
+            num_warps=4,
+        )  # fmt: skip
     if given_out is not None and given_out is not out:
         given_out.copy_(out)
         out = given_out
