@@ -134,6 +134,17 @@ class NewStep:
             key = w.k[layer].transpose(1, 2).reshape(-1, HKV, D)
             val = w.v[layer].transpose(1, 2).reshape(-1, HKV, D)
             self.sel.write_kv(self.state, layer, loc.flatten(), key, val)
+        if base_name(name) == "louver":
+            # A host shows Louver its prompt at prefill, where the prompt's keys are indexed;
+            # without it every step would fold one more buffer of the prompt. (The other
+            # selectors' prompt observations need real queries, which this workload lacks.)
+            n_q = self.sel.prompt_queries()
+            for layer in range(w.layers):
+                kv = ContiguousKV(
+                    w.k[layer][:live], w.v[layer][:live], prompt[:live].to(torch.int32)
+                )
+                queries = torch.zeros(live, n_q, HQ, D, device=DEV, dtype=DTYPE)
+                self.sel.observe_prompt(self.state, layer, list(range(live)), queries, kv, SCALING)
         self._contiguous = ContiguousKV
 
     def load(self, step: int) -> None:

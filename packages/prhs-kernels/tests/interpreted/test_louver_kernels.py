@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from prhs_kernels import paths
-from prhs_kernels.louver import cluster_scores, cluster_scores_reference, louver_path
+from prhs_kernels.louver import (
+    cluster_scores,
+    cluster_scores_reference,
+    cluster_upper_bounds,
+    index_pages,
+    index_pages_reference,
+    louver_path,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,3 +60,65 @@ def test_cluster_scores_match_the_reference(dtype, b, hq, hkv, d, c, s, n_pages)
     assert torch.equal(torch.isposinf(got), torch.isposinf(want))
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+# --- the index build ------------------------------------------------------------------------
+
+# (B, Hkv, pages, P, D, S)
+INDEX_CASES = [
+    (1, 1, 1, 4, 16, 1),  # one cluster: no split at all
+    (2, 3, 2, 16, 24, 3),  # D not a power of two, several pages and heads
+    (2, 2, 1, 256, 64, 4),  # Louver's page of 256 keys
+]
+INDEX_IDS = [f"B{c[0]}-Hkv{c[1]}-NP{c[2]}-P{c[3]}-D{c[4]}-S{c[5]}" for c in INDEX_CASES]
+
+
+def _fields(r, h, p, d, s, dtype):
+    # Strided views, as a side cache's layer slice is, filled with values a build never writes.
+    perm = torch.full((r, 2, h, p), -7, dtype=torch.int16)[:, 1]
+    centres = torch.full((r, h, 2, p // 4, d), 9.0).to(dtype)[:, :, 0]
+    radii = torch.full((r, h, p // 4, s), 5.0)
+    return perm, centres, radii
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(("b", "h", "n_pages", "p", "d", "s"), INDEX_CASES, ids=INDEX_IDS)
+def test_index_pages_matches_the_reference(dtype, b, h, n_pages, p, d, s):
+    gen = torch.Generator().manual_seed(b + p + d)
+    keys = torch.randn(b, h, n_pages, p, d, generator=gen)
+    keys[0, 0, 0, 1, 2] = float("nan")  # read as 0 by both
+    keys[-1, -1, -1, 0, -1] = float("inf")
+    keys = keys.to(dtype)
+    r = b * n_pages + 3
+    rows = torch.randperm(r, generator=gen)[: b * n_pages].view(b, n_pages)
+    active = torch.ones(b, dtype=torch.bool)
+    if b > 1:
+        active[1] = False
+    got = _fields(r, h, p, d, s, dtype)
+    want = _fields(r, h, p, d, s, dtype)
+    index_pages(keys, rows, active, *got)
+    index_pages_reference(keys, rows, active, *want)
+    perm, centres, radii = got
+    assert torch.equal(perm, want[0])
+    # The means agree to the rounding of the stored dtype; the radii follow them.
+    torch.testing.assert_close(centres.float(), want[1].float(), rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(radii, want[2], rtol=1e-2, atol=1e-2)
+    untouched = torch.ones(r, dtype=torch.bool)
+    untouched[rows[active].reshape(-1)] = False
+    assert bool((perm[untouched] == -7).all()) and bool((radii[untouched] == 5.0).all())
+    assert bool((centres[untouched] == 9.0).all())
+    # What matters: the written bound is above every member's logit.
+    k = torch.where(torch.isfinite(keys.float()), keys.float(), 0.0)
+    q = torch.randn(b, h, 5, d, generator=gen) * 3
+    for bi in range(b):
+        if not active[bi]:
+            continue
+        for pi in range(n_pages):
+            row = rows[bi, pi]
+            order = perm[row].long()  # [Hkv, P]
+            members = torch.gather(k[bi, :, pi], 1, order.unsqueeze(-1).expand(h, p, d))
+            logits = torch.einsum(
+                "hgd,hcmd->hgcm", q[bi].double(), members.view(h, -1, 4, d).double()
+            )
+            ub = cluster_upper_bounds(q[bi], centres[row], radii[row]).double()
+            assert bool((ub.unsqueeze(-1) >= logits).all())

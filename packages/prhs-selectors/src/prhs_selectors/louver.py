@@ -21,7 +21,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels.kv import gather_kv, token_locations
-from prhs_kernels.louver import balanced_clusters, cluster_bounds, cluster_scores
+from prhs_kernels.louver import cluster_scores, index_pages
 from prhs_kernels.score import score_keys
 from prhs_kernels.topk import topk_indices
 from prhs_selectors.base import BaseSelector
@@ -200,25 +200,27 @@ class Louver(BaseSelector):
 
     # -- index ------------------------------------------------------------------------------
     def _index(
-        self, state: SelectorState, layer: int, keys: torch.Tensor, page_locations: torch.Tensor
+        self,
+        state: SelectorState,
+        layer: int,
+        keys: torch.Tensor,
+        page_locations: torch.Tensor,
+        active: torch.Tensor,
     ) -> None:
-        """Cluster ``keys [..., Hkv, n_pages, page, D]`` and write each page's index at
-        ``page_locations [..., n_pages]`` (the location of the page's first position; ``-1``:
-        nowhere)."""
-        c = self.config
+        """Cluster ``keys [B, Hkv, n_pages, page, D]`` and write each page's index at
+        ``page_locations [B, n_pages]`` (the location of the page's first position), for the
+        sequences whose ``active [B]`` flag is set (the others write nothing)."""
         side = state.side
         assert side is not None
-        k = keys.float()
-        k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
-        perm = balanced_clusters(k, CLUSTER)
-        centres, radii = cluster_bounds(k, perm, c.subspaces, CLUSTER, side["lv_center"].dtype)
-        rows = side.pages_of(page_locations.reshape(-1))
-        h, page, d = keys.shape[-4], c.page, keys.shape[-1]
-        nc = page // CLUSTER
-        # [..., Hkv, NP, ...] -> [(... NP), Hkv, ...]: one side-cache row per page.
-        side["lv_perm"][rows, layer] = perm.transpose(-3, -2).reshape(-1, h, page).to(torch.int16)
-        side["lv_center"][rows, layer] = centres.transpose(-4, -3).reshape(-1, h, nc, d)
-        side["lv_radius"][rows, layer] = radii.transpose(-4, -3).reshape(-1, h, nc, c.subspaces)
+        index_pages(
+            keys,
+            side.pages_of(page_locations),
+            active,
+            side["lv_perm"][:, layer],
+            side["lv_center"][:, layer],
+            side["lv_radius"][:, layer],
+            CLUSTER,
+        )
 
     def observe_prompt(
         self,
@@ -255,7 +257,8 @@ class Louver(BaseSelector):
                 pos[i] = starts
                 loc = token_locations(kv, pos.long(), state.row_stride)[i]
             keys = kv.k[i, :, st : st + full].reshape(kv.num_kv_heads, -1, c.page, kv.head_dim)
-            self._index(state, layer, keys.to(dev), loc.to(dev))
+            on = torch.ones(1, dtype=torch.bool, device=dev)
+            self._index(state, layer, keys.unsqueeze(0).to(dev), loc.view(1, -1).to(dev), on)
 
     def _fold(
         self, plan: DecodePlan, layer: int, kv: KVLayout, state: SelectorState
@@ -274,7 +277,7 @@ class Louver(BaseSelector):
         n_pages = c.buffer // c.page
         firsts = pos[:, :: c.page]  # [B, NP]
         loc = token_locations(kv, firsts, state.row_stride)
-        self._index(state, layer, keys.view(b, h, n_pages, c.page, d), loc)
+        self._index(state, layer, keys.view(b, h, n_pages, c.page, d), loc, full)
         length = length + full.long() * c.buffer
         pool["lv_len"][slots, layer] = length
         return length
@@ -334,15 +337,14 @@ class Louver(BaseSelector):
         eligible = passes & live
         ids, _ = topk_indices(score, c.budget // CLUSTER, eligible)  # [B, Hkv, K] cluster ids
         # Members: page p = id // C, cluster j = id % C; positions p*page + perm[4j .. 4j+3].
+        # Only the chosen clusters' entries of the permutation are read (4 per cluster), at the
+        # page row of each, not every page's permutation.
         safe = ids.clamp_min(0).long()
         page_of = safe // nc
-        perm = side["lv_perm"][rows, layer].long()  # [B, NP, Hkv, page]
-        perm = perm.transpose(1, 2)  # [B, Hkv, NP, page]
+        page_row = torch.gather(rows, 1, page_of.view(b, -1)).view(b, h, -1, 1)
         slot = (safe % nc).unsqueeze(-1) * CLUSTER + torch.arange(CLUSTER, device=ids.device)
-        offs = torch.gather(
-            perm.reshape(b, h, n_pages * c.page), 2,
-            (page_of.unsqueeze(-1) * c.page + slot).reshape(b, h, -1),
-        ).view(*ids.shape, CLUSTER)  # fmt: skip
+        head = torch.arange(h, device=ids.device).view(1, h, 1, 1)
+        offs = side["lv_perm"][page_row, layer, head, slot].long()  # [B, Hkv, K, 4]
         members = page_of.unsqueeze(-1) * c.page + offs
         members = torch.where(ids.unsqueeze(-1) >= 0, members, -1).reshape(b, h, -1)
         sel = self.compose(plan, kv, members)

@@ -14,13 +14,16 @@ channel subspaces, Cauchy–Schwarz in each subspace gives, for every member ``k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
-    "balanced_clusters",
+    "balanced_clusters_reference",
     "cluster_bounds",
     "cluster_scores_reference",
     "cluster_upper_bounds",
+    "index_pages_reference",
 ]
 
 POWER_ITERATIONS = 6
@@ -29,10 +32,13 @@ RADIUS_SLACK = 1e-5
 and of the bound, so the bound stays above every member's logit."""
 
 
-def balanced_clusters(keys: torch.Tensor, cluster_size: int = 4) -> torch.Tensor:
+def balanced_clusters_reference(
+    keys: torch.Tensor, cluster_size: int = 4, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[..., P]`` int64: a permutation of each group of ``keys [..., P, D]`` in which entries
     ``[c·m, (c+1)·m)`` are the members of cluster ``c`` (``m = cluster_size``; ``P / m`` a power
-    of two)."""
+    of two). ``active [...]`` (bool, optional): the groups to cluster; the others get the
+    identity (every group is still computed here, so the shapes stay static)."""
     *lead, p, d = keys.shape
     x = keys.reshape(-1, p, d).float()
     n = x.shape[0]
@@ -52,6 +58,8 @@ def balanced_clusters(keys: torch.Tensor, cluster_size: int = 4) -> torch.Tensor
         order = torch.argsort(proj, dim=-1, stable=True)  # lower half, upper half
         perm = torch.gather(perm.view(n, groups, m), 2, order).view(n, p)
         groups *= 2
+    if active is not None:
+        perm = torch.where(active.reshape(n, 1), perm, torch.arange(p, device=keys.device))
     return perm.view(*lead, p)
 
 
@@ -110,3 +118,40 @@ def cluster_scores_reference(
     ub = cluster_upper_bounds(q, cen, rad)  # [B, Hkv, NP, g, C]
     ub = ub.transpose(2, 3).reshape(b, h, g, n_pages * c) * scaling
     return (ub - threshold.float().unsqueeze(-1)).amax(2)
+
+
+def index_pages_reference(
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    active: torch.Tensor,
+    perm: torch.Tensor,
+    centres: torch.Tensor,
+    radii: torch.Tensor,
+    cluster_size: int = 4,
+    *,
+    clusters: Callable[..., torch.Tensor] | None = None,
+) -> None:
+    """Cluster the pages ``keys [B, Hkv, NP, P, D]`` (non-finite entries read as 0) and write each
+    page's index into one layer's fields at its page row ``rows [B, NP]``: ``perm [R, Hkv, P]``
+    (int16, :func:`balanced_clusters_reference`), ``centres [R, Hkv, C, D]`` and ``radii [R, Hkv,
+    C, S]`` (float32; :func:`cluster_bounds`, centres rounded to ``centres``' dtype). Sequences
+    with ``active [B]`` false write nothing (their rows are read and written back unchanged, so
+    the shapes stay static). ``clusters(keys, cluster_size, active)``: the clustering to run
+    (default :func:`balanced_clusters_reference`; the launcher passes its CPU kernel)."""
+    b, h, n_pages, p, d = keys.shape
+    c = p // cluster_size
+    s = radii.shape[-1]
+    k = keys.float()
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
+    cluster = balanced_clusters_reference if clusters is None else clusters
+    order = cluster(k, cluster_size, active.view(b, 1, 1).expand(b, h, n_pages))
+    cen, rad = cluster_bounds(k, order, s, cluster_size, centres.dtype)
+    flat = rows.reshape(-1).long()
+    on = active.view(b, 1).expand(b, n_pages).reshape(-1, 1, 1)
+    # [B, Hkv, NP, ...] -> [(B NP), Hkv, ...]: one row per page.
+    new_perm = order.transpose(1, 2).reshape(-1, h, p).to(perm.dtype)
+    new_cen = cen.transpose(1, 2).reshape(-1, h, c, d)
+    new_rad = rad.transpose(1, 2).reshape(-1, h, c, s)
+    perm[flat] = torch.where(on, new_perm, perm[flat])
+    centres[flat] = torch.where(on.unsqueeze(-1), new_cen, centres[flat])
+    radii[flat] = torch.where(on.unsqueeze(-1), new_rad, radii[flat])
