@@ -43,9 +43,7 @@ def test_perplexity_full_budget_oracle_equals_dense_and_prefill_selectors_differ
         SelectorSpec("dense"),
         SelectorSpec("oracle", {"budget": 512, "block_size": 1}),  # >= every position
         SelectorSpec("streaming", {"budget": 4}),
-        SelectorSpec(
-            "prhs", {"budget": 512, "block_size": 1, "start_layer": 10, "use_etf": True}
-        ),
+        SelectorSpec("prhs", {"budget": 512, "block_size": 1, "start_layer": 10, "use_etf": True}),
     ]
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
