@@ -30,6 +30,41 @@ def test_bits_pack_eight_to_a_byte_and_unpack_to_signs() -> None:
     assert torch.equal(unpack_signs(packed), bits.float() * 2 - 1)
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (5, 3, 64), (2, 4, 37, 128)], ids=str)
+def test_numba_packing_is_the_references_bytes(shape) -> None:
+    ln = pytest.importorskip("prhs_kernels.rabitq.numba")
+    g = torch.Generator().manual_seed(sum(shape))
+    bits = torch.rand(*shape, generator=g) > 0.5
+    bits[..., :8] = True  # a full byte (255) and, below, an empty one
+    bits[..., -8:] = False
+    got = ln.pack_bits_numba(bits)
+    assert got.dtype == torch.uint8 and got.shape == (*shape[:-1], shape[-1] // 8)
+    assert torch.equal(got, pack_bits(bits))
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["auto", "torch"])
+def test_quantize_keys_packs_with_numba_on_the_cpu(monkeypatch, caplog, forced) -> None:
+    pytest.importorskip("numba")
+    import logging
+
+    import prhs_kernels.paths as paths
+    import prhs_kernels.rabitq as rabitq
+
+    if forced:
+        monkeypatch.setenv("PRHS_KERNELS", "torch")
+    else:
+        monkeypatch.delenv("PRHS_KERNELS", raising=False)
+    monkeypatch.setattr(paths, "_announced", set())
+    p, _ = random_rotation(64, 3)
+    g = torch.Generator().manual_seed(4)
+    keys, centroid = torch.randn(3, 2, 40, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
+    with caplog.at_level(logging.INFO, logger="prhs_kernels"):
+        codes, factor = quantize_keys(keys, centroid, p)
+    want_codes, want_factor = rabitq.quantize_keys_reference(keys, centroid, p)
+    assert torch.equal(codes, want_codes) and torch.equal(factor, want_factor)
+    assert ("quantize_keys runs its numba path on cpu" in caplog.text) is not forced
+
+
 def test_the_rotation_is_orthogonal_and_seeded() -> None:
     p, u = random_rotation(32, 7)
     torch.testing.assert_close(p @ p.T, torch.eye(32), atol=1e-5, rtol=0)

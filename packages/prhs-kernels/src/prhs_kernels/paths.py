@@ -73,9 +73,10 @@ def kernel_path(device: torch.device | str, dtype: torch.dtype) -> str:
 
 def numba_path(device: torch.device | str) -> bool:
     """Whether a CPU selection op with a Numba kernel (union, dilation, top-k, top-p, Louver's
-    clustering) takes it on ``device``: on the CPU, when Numba is installed (looked up, not
-    imported) and ``PRHS_KERNELS`` is not ``torch``. The kernels compile once per process at
-    their first call (``warm_up()`` in each op's ``numba`` module does it up front)."""
+    clustering, RaBitQ's bit packing) takes it on ``device``: on the CPU, when Numba is
+    installed (looked up, not imported) and ``PRHS_KERNELS`` is not ``torch``. The kernels
+    compile once per process at their first call (``warm_up()`` in each op's ``numba`` module
+    does it up front)."""
     if torch.device(device).type != "cpu" or _forced_torch():
         return False
     return "numba" in sys.modules or importlib.util.find_spec("numba") is not None
@@ -95,9 +96,10 @@ def announce(op: str, path: str, device: torch.device | str) -> None:
 def warm_up(device: torch.device | str) -> None:
     """Compile, now, the Numba kernels a decode step on ``device`` will run (on the CPU: union,
     dilation, top-k, top-p; seconds, once per process), so that no step pays for it. Does
-    nothing where they do not apply. Louver's clustering compiles at its first use instead (its
-    prompt's index at prefill, so before any step). Triton kernels compile per shape at their
-    first launch (a CUDA-graph capture's warm-up run covers them)."""
+    nothing where they do not apply. Louver's clustering and RaBitQ's bit packing compile at
+    their first use instead (a prompt's index or codes at prefill, so before any step). Triton
+    kernels compile per shape at their first launch (a CUDA-graph capture's warm-up run covers
+    them)."""
     if not numba_path(device):
         return
     from prhs_kernels.compose import _numba as compose_kernels

@@ -7,16 +7,20 @@ fields, read at each position's KV location. Its path (:func:`rabitq_path`): ``"
 CUDA for fp16/bf16 caches (one launch, a binary × 4-bit ``tl.dot`` per tile of keys, ``D/8 + 8``
 bytes read per key, :mod:`.triton`), ``"triton-interpreter"`` on the CPU under
 ``TRITON_INTERPRET=1``, else ``"torch"`` (codes gathered and unpacked a chunk at a time).
-Quantising keys stays a torch op.
+:func:`quantize_keys` is torch, with its bit packing a Numba kernel on the CPU (:mod:`.numba`,
+chosen by :func:`~prhs_kernels.paths.numba_path`; ``PRHS_KERNELS=torch`` keeps the reference's).
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 
 from prhs_core.checks import check_device, check_float_tensor, check_int, shape_str
 from prhs_core.layout import KVLayout
-from prhs_kernels.paths import announce, kernel_path
+from prhs_kernels.paths import announce, kernel_path, numba_path
 from prhs_kernels.rabitq.reference import (
     estimate_inner,
     estimate_logits,
@@ -45,11 +49,22 @@ __all__ = [
 ]
 
 
+@functools.cache
+def _numba() -> ModuleType:
+    """The Numba kernel, imported and compiled at its first use."""
+    from prhs_kernels.rabitq import numba as kernels
+
+    kernels.warm_up()
+    return kernels
+
+
 def quantize_keys(
     keys: torch.Tensor, centroid: torch.Tensor, rotation: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [..., D/8] uint8, factor [...] float32)`` of ``keys [..., D]`` around
-    ``centroid`` (broadcast) under the orthogonal ``rotation [D, D]``; ``D`` a multiple of 8."""
+    ``centroid`` (broadcast) under the orthogonal ``rotation [D, D]``; ``D`` a multiple of 8.
+    On the CPU the bits are packed by a Numba kernel (the reference's bytes, 10-100× faster
+    than its int32 products: half of the whole quantisation at 8 KV heads of D 128)."""
     check_float_tensor("keys", keys, min_ndim=1)
     d = keys.shape[-1]
     if d % 8:
@@ -58,6 +73,9 @@ def quantize_keys(
         )
     if tuple(rotation.shape) != (d, d):
         raise ValueError(f"rotation must be [D, D] = [{d}, {d}], got {list(rotation.shape)}")
+    if numba_path(keys.device):
+        announce("quantize_keys", "numba", keys.device)
+        return quantize_keys_reference(keys, centroid, rotation, pack=_numba().pack_bits_numba)
     return quantize_keys_reference(keys, centroid, rotation)
 
 

@@ -11,6 +11,7 @@ random orthogonal matrix). The code is ``b = [o > 0]`` (``D`` bits), i.e. the un
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -60,11 +61,16 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_keys_reference(
-    keys: torch.Tensor, centroid: torch.Tensor, rotation: torch.Tensor
+    keys: torch.Tensor,
+    centroid: torch.Tensor,
+    rotation: torch.Tensor,
+    *,
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [..., D/8] uint8, factor [...] float32)`` of ``keys [..., D]`` around
     ``centroid`` (broadcast to ``keys``) under ``rotation [D, D]``. A key equal to its centroid
-    gets ``factor = 0``."""
+    gets ``factor = 0``. ``pack``: the bit packing to run (default :func:`pack_bits`; the
+    launcher passes its CPU kernel)."""
     d = keys.shape[-1]
     resid = keys.float() - centroid.float()
     norm = resid.norm(dim=-1)
@@ -72,7 +78,7 @@ def quantize_keys_reference(
     bits = o > 0
     align = o.abs().sum(-1) / math.sqrt(d)  # ⟨o, x̄⟩ > 0 for every non-zero o
     factor = torch.where(norm > 0, norm / align.clamp_min(1e-30), torch.zeros_like(norm))
-    return pack_bits(bits), factor
+    return (pack_bits if pack is None else pack)(bits), factor
 
 
 def quantize_query(rotated: torch.Tensor, dither: torch.Tensor) -> torch.Tensor:
