@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The proxy scorers on one GPU (Double Sparsity / HShare label scoring, RaBitQ binary x 4-bit
-# estimates, CompKV block statistics, Louver cluster scan): each Triton kernel against its torch reference at real sizes on every layout, the
-# selectors' Triton step against their torch step, CUDA-graph replay equals eager, then step
-# timings against dense attention, oracle and Quest (budget 1024, Hq 32, Hkv 8, D 128, bf16).
-# Run from the repo root.
+# estimates, CompKV block statistics, Louver's cluster scan and index build): each Triton kernel
+# against its torch reference at real sizes on every layout, the selectors' Triton step against
+# their torch step, CUDA-graph replay equals eager, then step timings against dense attention,
+# oracle and Quest (budget 1024, Hq 32, Hkv 8, D 128, bf16). SEL=louver,... picks the selectors
+# of the graph and timing parts. Run from the repo root.
 set -uo pipefail
 OUT=${OUT:-proxies-out}
 mkdir -p "$OUT"
