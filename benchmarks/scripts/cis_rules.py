@@ -93,6 +93,7 @@ def run(trace: dict, h: int, spec: dict, tau_state: torch.Tensor | None = None) 
     r, n_den = spec.get("r", 1), spec.get("n_den", 3)
     extra, shift = spec.get("extra", "dilate"), spec.get("shift", 0)
     hold, ret_extra = spec.get("hold_local", False), spec.get("retrieval_extra", False)
+    rescore = spec.get("rescore", 0)
     eps, eta = spec.get("eps", 0.03), spec.get("eta", 0.05)
 
     q, k = trace["q"].float(), trace["k"].float()  # [L, S, Hq, D], [L, Hkv, T, D]
@@ -113,11 +114,13 @@ def run(trace: dict, h: int, spec: dict, tau_state: torch.Tensor | None = None) 
     a_len = torch.zeros(rows, dtype=torch.long)
     a_keep = torch.zeros(rows, t_max, dtype=torch.bool)
     a_top = torch.zeros(rows, budget, dtype=torch.long)
+    a_cand = torch.zeros(rows, budget + rescore, dtype=torch.long)  # top set + shortlist
+    a_cand_ok = torch.zeros(rows, budget + rescore, dtype=torch.bool)
     a_mu, a_var = torch.zeros(rows, g, d), torch.zeros(rows, g, d)
     a_lout, a_ell = torch.zeros(rows, g), torch.zeros(rows, g)
     if rule == "adapt":
         tau_state = torch.full((rows,), float(thr)) if tau_state is None else tau_state
-    out = {key: [] for key in ("beta", "delta", "retrieved", "size")}
+    out = {key: [] for key in ("beta", "delta", "retrieved", "size", "k_read", "cached")}
 
     def mask_of(idx: torch.Tensor) -> torch.Tensor:
         mk = torch.zeros(rows, t_max, dtype=torch.bool)
@@ -131,7 +134,8 @@ def run(trace: dict, h: int, spec: dict, tau_state: torch.Tensor | None = None) 
         sink = pos < n_sink
         eligible = (pos < n) & ~local & ~sink
         score = gm.masked_fill(~eligible, -1.0)
-        top = score.topk(budget, -1).indices
+        ranked_ids = score.topk(budget + rescore, -1)
+        top = ranked_ids.indices[:, :budget]
         new = mask_of(top) & eligible
         if extra == "dilate" and r > 0 and m > 0:
             offs = torch.cat([torch.arange(1, r + 1), -torch.arange(1, r + 1)])
@@ -143,7 +147,30 @@ def run(trace: dict, h: int, spec: dict, tau_state: torch.Tensor | None = None) 
         anchor_set = new | more | sink
         retrieval_read = (anchor_set if ret_extra else new | sink) | local
 
-        reuse_read = a_keep | sink | local
+        if rescore:
+            # The anchor's top set and its next ``rescore`` positions scored at the new query:
+            # the best ``budget`` of them replace the anchor's top set (their keys are read).
+            # Ranked as a selector can without scoring every key: each head's probabilities
+            # normalised over the keys it reads (candidates, sink, held local window), averaged
+            # over the group ("rescore_rank": "exact" ranks by the true group mean instead).
+            if spec.get("rescore_rank", "read") == "exact":
+                cand_score = gm.gather(1, a_cand)
+            else:
+                window = sink | local
+                if hold:
+                    start = (a_len - n_local).view(-1, 1)
+                    window = window | ((pos.view(1, -1) >= start) & (pos.view(1, -1) < n))
+                zc = z[:, s].gather(2, a_cand.unsqueeze(1).expand(-1, g, -1))  # [R, g, C]
+                zc = zc.masked_fill(~a_cand_ok.unsqueeze(1), -math.inf)
+                zw = z[:, s].masked_fill(~window.unsqueeze(1), -math.inf)
+                lse = torch.logsumexp(torch.cat([zc, zw], -1), -1, keepdim=True)
+                cand_score = torch.exp(zc - lse).mean(1)
+            cand_score = cand_score.masked_fill(~a_cand_ok, -1.0)
+            best = a_cand.gather(1, cand_score.topk(budget, -1).indices)
+            reuse_sel = (mask_of(best) & eligible) | (a_keep & ~mask_of(a_top))
+            reuse_read = reuse_sel | sink | local
+        else:
+            reuse_read = a_keep | sink | local
         if hold:
             start = (a_len - n_local).view(-1, 1)
             reuse_read |= (pos.view(1, -1) >= start) & (pos.view(1, -1) < n)
@@ -193,9 +220,16 @@ def run(trace: dict, h: int, spec: dict, tau_state: torch.Tensor | None = None) 
         out["delta"].append(torch.where(reuse, delta_reuse, delta_ret))
         out["retrieved"].append(retrieve.float())
         out["size"].append(torch.where(reuse, reuse_read.sum(-1), retrieval_read.sum(-1)).float())
+        # Key rows read beside the attended ones: every key at a retrieval, the shortlist at a
+        # reuse that rescores.
+        out["k_read"].append(torch.where(reuse, float(rescore), (pos < n).sum().float()))
+        out["cached"].append(torch.full((rows,), float(n)))
 
         rr = retrieve
         a_q[rr], a_len[rr], a_keep[rr], a_top[rr] = qs[rr], n, anchor_set[rr], top[rr]
+        if rescore:
+            a_cand[rr] = ranked_ids.indices[rr]
+            a_cand_ok[rr] = ranked_ids.values[rr] >= 0
         if rule in ("moment1", "moment2", "exact-in"):
             inside = (anchor_set | local).unsqueeze(1)
             outside = ~inside & (pos < n).view(1, 1, -1)
@@ -228,6 +262,10 @@ def summary(parts: list[dict]) -> dict:
         "delta": round(float(cat["delta"].mean()), 4),
         "rho": round(100 * float(cat["retrieved"].mean()), 1),
         "avg_kv": round(float(cat["size"].mean()), 1),
+        # K and V of the attended positions plus the keys scored beside them, over dense's K+V.
+        "bytes_vs_dense": round(
+            float(((2 * cat["size"] + cat["k_read"]) / (2 * cat["cached"])).mean()), 4
+        ),
     }
 
 
@@ -252,7 +290,8 @@ def per_head(args: argparse.Namespace) -> None:
     taus = [float(x) for x in args.taus.split(",")]
     beta, rho = [], []  # [K, W, R]
     for tau in taus:
-        spec = {"rule": "cos", "thr": tau, "hold_local": args.hold_local, "budget": args.budget}
+        spec = {"rule": "cos", "thr": tau, "hold_local": args.hold_local, "budget": args.budget,
+                "rescore": args.rescore}  # fmt: skip
         res = [run(tr, h, spec) for tr in traces]
         beta.append(torch.stack([x["beta"].mean(0) for x in res]))
         rho.append(torch.stack([x["retrieved"].mean(0) for x in res]))
@@ -395,6 +434,7 @@ def main() -> None:
     b.add_argument("--taus", default="0.5,0.6,0.65,0.7,0.75,0.8,0.85,0.9,0.95,1.01")
     b.add_argument("--budget", type=int, default=512)
     b.add_argument("--hold-local", action="store_true")
+    b.add_argument("--rescore", type=int, default=0, help="reuses rescore this many more")
     c = sub.add_parser("calibrate", help="write a per-(layer, KV head) tau table for cis")
     c.add_argument("trace")
     c.add_argument("--windows", type=int, default=2)

@@ -95,8 +95,8 @@ def main() -> None:
         if n <= 16384:
             cfg = sel.replay_config()
             taus = torch.tensor(TAU_GRID)
-            b_gpu, r_gpu, _ = replay_curves(queries[0], k[0], D**-0.5, cfg, taus.to(dev))
-            b_cpu, r_cpu, _ = replay_curves(queries[0].cpu(), k[0].cpu(), D**-0.5, cfg, taus)
+            b_gpu, r_gpu, *_ = replay_curves(queries[0], k[0], D**-0.5, cfg, taus.to(dev))
+            b_cpu, r_cpu, *_ = replay_curves(queries[0].cpu(), k[0].cpu(), D**-0.5, cfg, taus)
             _emit(out, {"part": "gpu-vs-cpu", "prompt_len": n,
                         "beta_max_abs_diff": float((b_gpu.cpu() - b_cpu).abs().max()),
                         "rho_max_abs_diff": float((r_gpu.cpu() - r_cpu).abs().max())})  # fmt: skip

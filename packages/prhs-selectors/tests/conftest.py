@@ -58,6 +58,10 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "oracle-s4": ("oracle", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 4}),
     "streaming": ("streaming", {"budget": 6, "n_sink": 2, "n_local": 4}),
     "cis": ("cis", {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0}),
+    "cis-rescore": (
+        "cis",
+        {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0, "rescore": 6},
+    ),
     "cis-certified": (
         "cis",
         {

@@ -137,6 +137,114 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(
     assert min(seen.values()) > 0, seen  # every branch was exercised
 
 
+def _pool(state, slot: int, layer: int, h: int) -> list[int]:
+    """The anchor's pool (its list, then its next-best blocks), in stored order."""
+    nxt = [int(x) for x in state.pool["anchor_next"][slot, layer, h] if x >= 0]
+    return _anchor(state, slot, layer, h) + nxt
+
+
+@pytest.mark.parametrize(
+    ("block_size", "block_score", "hold"), [(1, "mass", True), (4, "mass", False), (2, "max", True)]
+)
+def test_rescore_reads_the_best_of_the_anchors_pool_at_each_query(
+    make_sim, tools, layout, block_size, block_score, hold
+):
+    """A retrieval keeps the next ``rescore`` positions of its ranking with its list; a reuse
+    re-ranks that pool by the group's probabilities normalised over what it reads (pool, sink,
+    local window) and reads the best ``k`` (with the dilation of their top ``m``); the pool
+    itself lasts until the next retrieval."""
+    cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1,
+                    block_score=block_score, hold_local=hold, rescore=8)  # fmt: skip
+    sel = CIS(cfg)
+    steps, b, h, g, d, s = 14, 3, 2, 2, 16, block_size
+    sim = make_sim([57, 40, 33], num_q_heads=h * g, num_kv_heads=h, head_dim=d, layout=layout,
+                   max_new_tokens=steps, seed=5)  # fmt: skip
+    state = sim.attach(sel)
+    k_blocks, n_next = max(1, cfg.budget // s), -(-cfg.rescore // s)
+    m = k_blocks // cfg.n_den
+    gen = torch.Generator().manual_seed(12)
+    anchor_q = torch.zeros(b, h, g * d)
+    pools: dict[tuple[int, int], set[int]] = {}
+    seen = {"reuse": 0, "retrieve": 0, "reordered": 0}
+    for step in range(steps):
+        if step > 0:  # small moves reuse and re-rank; large ones retrieve
+            near = torch.rand(b, h, generator=gen) < 0.75
+            scale = torch.where(near, 0.3, 5.0).repeat_interleave(g, 1).unsqueeze(-1)
+            base = anchor_q.view(b, h, g, d).reshape(b, h * g, d)
+            sim.queries[0] = base + scale * torch.randn(b, h * g, d, generator=gen)
+        before = {(i, j): _pool(state, i, 0, j) for i in range(b) for j in range(h)}
+        ta_before = state.pool["anchor_len"][:b, 0].clone()
+        out = sim.select(0)
+        logits = sim.logits(0)  # [B, Hq, T] float64
+        probs = sim.group_probs(0)
+        for i in range(b):
+            tt = int(sim.lengths[i])
+            nb = -(-tt // s)
+            win = _window_blocks(tt, s, cfg.n_sink, cfg.n_local)
+            for j in range(h):
+                got = tools.chosen(out, i, j)
+                listed = _anchor(state, i, 0, j)
+                if not bool(out.stats.retrieved[i, j]):
+                    seen["reuse"] += 1
+                    pool = before[(i, j)]
+                    assert set(_pool(state, i, 0, j)) == set(pool) == pools[(i, j)]
+                    ta = int(ta_before[i, j])
+                    lo = max(0, min(ta, tt) - cfg.n_local) if hold else max(0, tt - cfg.n_local)
+                    read = {p for x in pool for p in range(x * s, min((x + 1) * s, tt))}
+                    read |= set(range(min(cfg.n_sink, tt))) | set(range(lo, tt))
+                    ids = torch.tensor(sorted(read))
+                    z = logits[i, j * g : (j + 1) * g][:, ids]
+                    p = torch.softmax(z, -1).mean(0)
+                    at = {int(x): float(v) for x, v in zip(ids, p, strict=True)}
+                    per = [[at[q] for q in range(x * s, min((x + 1) * s, tt))] for x in pool]
+                    score = [max(v) if block_score == "max" else sum(v) for v in per]
+                    best = sorted(range(len(pool)), key=lambda e: (-score[e], e))[:k_blocks]
+                    want_list = [pool[e] for e in best]
+                    tools.assert_same_topk(
+                        set(listed), set(want_list), dict(zip(pool, score, strict=True)), atol=1e-6
+                    )
+                    seen["reordered"] += listed != pool[: len(listed)]
+                    want = set(listed) | _dilate(listed[:m], cfg.r, nb) | win
+                    want |= {q // s for q in range(lo, tt)}
+                    assert got == want & set(range(nb))
+                else:
+                    seen["retrieve"] += 1
+                    row = probs[i, j, :tt].tolist()
+                    if block_score == "max":
+                        bsc = tools.block_max(row, s)
+                    else:
+                        bsc = [sum(row[x * s : (x + 1) * s]) for x in range(nb)]
+                    cand = [x for x in range(nb) if x not in win]
+                    top = tools.brute_topk(cand, k_blocks + n_next, bsc)
+                    pool = _pool(state, i, 0, j)
+                    tools.assert_same_topk(set(pool), top, bsc, atol=1e-6)
+                    assert got == set(listed) | win  # the retrieval reads its top k only
+                    assert len(listed) == min(k_blocks, len(cand))
+                    pools[(i, j)] = set(pool)
+        q = sim.queries[0].reshape(b, h, g * d)
+        anchor_q = torch.where(out.stats.retrieved.unsqueeze(-1), q, anchor_q)
+        sim.advance()
+    assert min(seen.values()) > 0, seen  # reuses happened, and some re-ranked their pool
+
+
+def test_rescore_is_paper_mode_only_and_sized_by_blocks():
+    from prhs_core.config import AttentionSpec
+
+    with pytest.raises(ValueError, match="rescore applies to paper mode"):
+        CISConfig(delta_max=0.1, rescore=64)
+    with pytest.raises(ValueError, match="rescore"):
+        CISConfig(rescore=-1)
+    sel = CIS(CISConfig(budget=16, block_size=4, rescore=10, tau=0.8))
+    st = sel.init_state(AttentionSpec(2, 4, 2, 8), capacity=2, max_seq_len=64)
+    assert tuple(st.pool["anchor_next"].shape[1:]) == (2, 2, 3)  # ceil(10 / 4) blocks
+    assert (
+        "anchor_next"
+        not in CIS(CISConfig(tau=0.8))
+        .init_state(AttentionSpec(2, 4, 2, 8), capacity=1, max_seq_len=64)
+        .pool.field_names
+    )
+
+
 def test_budget_covering_everything_gives_dense_output(make_sim, layout):
     sel = selectors.create("cis", budget=4096, block_size=1, n_sink=0, n_local=1)
     sim = make_sim(

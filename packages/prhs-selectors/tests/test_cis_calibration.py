@@ -86,7 +86,7 @@ def test_replay_matches_a_step_by_step_reference(hold, seed):
     queries, keys = _prompt(seed, w=14, n=120)
     c = _config(hold)
     scaling = 16**-0.5
-    beta, rho, last = replay_curves(queries, keys, scaling, c, torch.tensor(TAU_GRID))
+    beta, rho, last, _ = replay_curves(queries, keys, scaling, c, torch.tensor(TAU_GRID))
     assert beta.shape == rho.shape == (2, len(TAU_GRID)) and last.shape == (2, c.budget)
     seen = set()
     for k, tau in enumerate(TAU_GRID):
@@ -107,7 +107,7 @@ def test_replay_decisions_are_the_selectors(block_size):
     scaling = d**-0.5
     c = _config(True, block_size)
     tau = 0.85
-    _, rho, _ = replay_curves(queries, keys, scaling, c, torch.tensor([tau]))
+    rho = replay_curves(queries, keys, scaling, c, torch.tensor([tau])).rho
     sel = selectors.create("cis", budget=24, n_sink=3, n_local=6, block_size=block_size, tau=tau)
     spec = AttentionSpec(num_layers=1, num_q_heads=hq, num_kv_heads=h, head_dim=d)
     state = sel.init_state(spec, capacity=1, max_seq_len=n, kv_dtype=torch.float32)

@@ -8,6 +8,10 @@ becomes the new anchor. ``S_a`` was chosen outside the anchor's local window, so
 local window from where the anchor's started (``hold_local``; in the paper's reading the window
 slides, and the positions leaving it are read by nobody until the next retrieval).
 
+In paper mode a reuse can also re-rank what it reads (``rescore``): a retrieval keeps, beside
+its top ``k``, the next ``rescore`` positions of the same ranking, and each reuse scores this pool
+at its own query, from the pool's keys and the windows' alone, and reads the best ``k`` of it.
+
 Two reuse rules:
 
 - paper mode (``delta_max=None``): reuse iff ``cos(q, q_a) ≥ τ`` and ``t − t_a ≤ n_local``;
@@ -58,6 +62,7 @@ from prhs_kernels.cis import (
     cis_decide,
     cis_local_width,
     cis_path,
+    cis_rescore,
     held_local_indices,
     retrieval_block_scores,
     top_blocks,
@@ -166,6 +171,12 @@ class CISConfig(SelectorConfig):
         A reuse also reads the positions that left the local window since its anchor was made
         (the window starts where the anchor's did): the anchor's list was chosen outside its
         window, so without this they would be read by nobody. ``False`` is the paper's reading.
+    rescore:
+        Paper mode: a retrieval also keeps the next ``rescore`` positions (blocks: rounded up)
+        of its ranking, and every reuse scores this pool of ``k + rescore`` at its own query,
+        from the keys of the pool and the windows only (each query head normalised over what
+        it reads), and reads the best ``k``: the set follows the query between retrievals for
+        ``rescore`` more key rows read per reuse. 0 (the default): the anchor's list as it was.
     n_den:
         Dilation density: the top ``m = ⌊k/n_den⌋`` positions (blocks) of ``S_a`` are dilated.
     r:
@@ -197,6 +208,7 @@ class CISConfig(SelectorConfig):
     target_rho: float | None = None
     prompt_queries: int | None = None
     hold_local: bool = True
+    rescore: int = 0
     n_den: int = 3
     r: int = 1
     delta_max: float | None = None
@@ -214,6 +226,7 @@ class CISConfig(SelectorConfig):
             raise TypeError(f"hold_local must be a bool, got {type(self.hold_local).__name__}")
         check_int("n_den", self.n_den, minimum=1)
         check_int("r", self.r, minimum=0)
+        check_int("rescore", self.rescore, minimum=0)
         if not isinstance(self.require_cosine, bool):
             raise TypeError("require_cosine must be a bool")
         self._check_auto()
@@ -233,6 +246,11 @@ class CISConfig(SelectorConfig):
                     "mode: set delta_max"
                 )
             return
+        if self.rescore:
+            raise ValueError(
+                "rescore applies to paper mode: a certified reuse reads the anchor's set, the one "
+                "its certificate bounds (set delta_max=None, or rescore=0)"
+            )
         if self.certificate is not None and self.certificate not in CERTIFICATES:
             raise ValueError(f"certificate must be one of {CERTIFICATES}, got {self.certificate!r}")
         if self.certificate_page is not None:
@@ -356,6 +374,10 @@ class CIS(BaseSelector):
             return max(1, c.retrieval_cap // c.block_size)
         return self.budget_blocks()
 
+    def rescore_blocks(self) -> int:
+        """``R``: the next-best blocks an anchor keeps for its reuses to re-rank (0: none)."""
+        return -(-self.config.rescore // self.config.block_size)
+
     def dilation_m(self) -> int:
         """``m = ⌊(k/s) / n_den⌋``: how many of the anchor's top blocks are dilated."""
         return self.budget_blocks() // self.config.n_den
@@ -406,6 +428,8 @@ class CIS(BaseSelector):
         pool.add_field("anchor_len", (n_l, h), torch.int32, 0)
         pool.add_field("anchor_idx", (n_l, h, m), torch.int32, -1)
         pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
+        if self.rescore_blocks():
+            pool.add_field("anchor_next", (n_l, h, self.rescore_blocks()), torch.int32, -1)
         if self.config.certified:
             # Per query head: the certificate bounds each head's dropped mass.
             pool.add_field("anchor_log_delta", (n_l, h, g), torch.float64, 0.0)
@@ -505,6 +529,7 @@ class CIS(BaseSelector):
             n_den=c.n_den,
             r=c.r,
             hold_local=c.hold_local,
+            rescore_blocks=self.rescore_blocks(),
         )
 
     def observe_prompt(
@@ -558,19 +583,21 @@ class CIS(BaseSelector):
             keys = kv.k[i, :, st : st + n]
             replay = replay_curves(queries[i], keys, float(scaling), cfg, taus)
             beta[i], rho[i] = replay.beta, replay.rho
-            seeds.append((i, ids[i], n, replay.last_top))
+            seeds.append((i, ids[i], n, replay.last_top, replay.last_next))
         pool = state.pool
         idx = torch.tensor(ids, dtype=torch.long, device=pool.device)
         pool["tau_beta"][idx, layer] = beta.to(pool.device)
         pool["tau_rho"][idx, layer] = rho.to(pool.device)
         if not self.config.certified:  # certified anchors also need δ_a and K_max: not seeded
             g = spec.group_size
-            for i, slot, n, top in seeds:
+            for i, slot, n, top, after in seeds:
                 q_last = queries[i, -1].float().reshape(h, g, d)
                 pool["anchor_q"][slot, layer] = q_last.to(pool.device)
                 pool["anchor_len"][slot, layer] = n
                 pool["anchor_idx"][slot, layer] = top.to(pool.device, torch.int32)
                 pool["anchor_cnt"][slot, layer] = (top >= 0).sum(-1).to(pool.device, torch.int32)
+                if self.rescore_blocks():
+                    pool["anchor_next"][slot, layer] = after.to(pool.device, torch.int32)
         if layer == max(spec.selectable_layers):
             n_l = spec.num_layers
             curves = [pool[f][idx].reshape(b, n_l * h, -1) for f in ("tau_beta", "tau_rho")]
@@ -587,8 +614,9 @@ class CIS(BaseSelector):
         kv: KVLayout,
         state: SelectorState,
     ) -> Selection:
-        """Paper mode through :mod:`prhs_kernels.cis`: decide, score the retrieving rows' blocks,
-        take their top ``k/s``, compose and update the anchors."""
+        """Paper mode through :mod:`prhs_kernels.cis`: decide, re-rank the reusing rows' pools
+        (``rescore``), score the retrieving rows' blocks, take their top ``k/s`` (and the next
+        ``R``), compose and update the anchors."""
         c = self.config
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
@@ -604,6 +632,25 @@ class CIS(BaseSelector):
             nonfinite=state.nonfinite,
             path=path,
         )
+        n_next = self.rescore_blocks()
+        if n_next:
+            anchor_next = pool["anchor_next"][:, layer]
+            cis_rescore(
+                query,
+                kv,
+                plan.scaling,
+                ~retrieve & ~bad,
+                anchor["anchor_len"],
+                anchor["anchor_idx"],
+                anchor["anchor_cnt"],
+                anchor_next,
+                slots,
+                block_size=c.block_size,
+                n_sink=c.n_sink,
+                n_local=c.n_local,
+                hold_local=c.hold_local,
+                score=c.block_score,
+            )
         scores = retrieval_block_scores(
             query,
             kv,
@@ -615,7 +662,12 @@ class CIS(BaseSelector):
             score=c.block_score,
             path=path,
         )
-        new_idx, new_scores = top_blocks(scores, self.anchor_width(), retrieve, path=path)
+        m_width = self.anchor_width()
+        new_idx, new_scores = top_blocks(scores, m_width + n_next, retrieve, path=path)
+        if n_next:
+            after = torch.where(new_scores[..., m_width:] > NEG_INF, new_idx[..., m_width:], -1)
+            after = torch.nn.functional.pad(after, (0, n_next - after.shape[-1]), value=-1)
+            new_idx, new_scores = new_idx[..., :m_width], new_scores[..., :m_width]
         sel = plan.selection
         cis_compose(
             query,
@@ -636,11 +688,19 @@ class CIS(BaseSelector):
             hold_local=c.hold_local,
             path=path,
         )
+        if n_next:  # the retrieving rows' anchors keep their next-best blocks
+            anchor_next[slots] = torch.where(
+                retrieve.unsqueeze(-1), after.to(torch.int32), anchor_next[slots]
+            )
         if plan.stats is not None:
             hq, d = query.shape[1:]
-            proxy = torch.where(
-                retrieve, self.retrieval_bytes(kv), float(hq // kv.num_kv_heads * d * 4)
-            )
+            reuse_bytes = float(hq // kv.num_kv_heads * d * 4)
+            if n_next:  # the pool's keys and the windows' scored again
+                elem = torch.empty((), dtype=kv.dtype).element_size()
+                wl = 2 * c.n_local if c.hold_local else c.n_local
+                rows = (m_width + n_next) * c.block_size + c.n_sink + wl
+                reuse_bytes += float(rows * d * elem)
+            proxy = torch.where(retrieve, self.retrieval_bytes(kv), reuse_bytes)
             self.record(plan, layer, kv, sel, retrieve, proxy, None)
         return sel
 

@@ -47,6 +47,9 @@ class ReplayConfig:
     n_den: int
     r: int
     hold_local: bool
+    rescore_blocks: int = 0
+    """Next-best blocks of the last query's retrieval to return (:attr:`Replay.last_next`);
+    the replay itself does not re-rank (its reuses read the anchor's list)."""
 
     def min_prompt_len(self, queries: int) -> int:
         """The shortest prompt whose first replayed query already drops positions: shorter
@@ -65,6 +68,9 @@ class Replay(NamedTuple):
     last_top: torch.Tensor
     """``[Hkv, k/s]`` int64: the last query's retrieval, blocks by score, largest first (``-1``
     past the eligible ones): the anchor a decode step can reuse."""
+    last_next: torch.Tensor
+    """``[Hkv, R]`` int64: the blocks ranked after those (``ReplayConfig.rescore_blocks``;
+    ``-1`` past the eligible ones), for a ``rescore`` anchor's pool."""
 
 
 def _token_mask(blocks: torch.Tensor, s: int, n: int) -> torch.Tensor:
@@ -201,12 +207,14 @@ def replay_curves(
     beta_sum = (retrieves * (reuse_beta + beta_ret.t().unsqueeze(0) * counted)).sum(-1)
     ret_sum = (retrieves & counted).sum(-1)
     m_width = c.budget // s
-    last = torch.where(top.values[-1] > NEG, top.indices[-1], -1)
-    last = torch.nn.functional.pad(last, (0, m_width - last.shape[-1]), value=-1)
+    last_all = score[-1].topk(min(m_width + c.rescore_blocks, nb), dim=-1)
+    last = torch.where(last_all.values > NEG, last_all.indices, -1)
+    last = torch.nn.functional.pad(last, (0, m_width + c.rescore_blocks - last.shape[-1]), value=-1)
     return Replay(
         (beta_sum / (w - 1)).t().contiguous(),
         (ret_sum.float() / (w - 1)).t().contiguous(),
-        last,
+        last[..., :m_width].contiguous(),
+        last[..., m_width:].contiguous(),
     )
 
 

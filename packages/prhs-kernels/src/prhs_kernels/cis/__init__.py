@@ -9,11 +9,15 @@
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
   that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
-  anchor's did (:func:`cis_local_width` gives the wider static width).
+  anchor's did (:func:`cis_local_width` gives the wider static width);
+- :func:`cis_rescore` -- (the selector's ``rescore`` option) a reusing row's anchor pool, its
+  list and the next-best blocks of the same retrieval, re-ranked at the current query from the
+  keys of the pool and the windows only: the best ``M`` become the list the reuse reads.
 
 :func:`cis_path` names the path: ``"triton"`` on CUDA for fp16/bf16 caches and power-of-two
 block sizes (three launches plus the retrieval's two and a top-k), ``"triton-interpreter"`` on
-the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``.
+the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``. :func:`cis_rescore` is torch on every
+device so far (static shapes, no host read: it is captured in a CUDA graph like the rest).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from prhs_kernels.cis.reference import (
     block_eligible_reference,
     cis_compose_reference,
     cis_decide_reference,
+    cis_rescore_reference,
     held_local_indices,
     retrieval_block_scores_reference,
 )
@@ -44,6 +49,8 @@ __all__ = [
     "cis_decide_reference",
     "cis_local_width",
     "cis_path",
+    "cis_rescore",
+    "cis_rescore_reference",
     "held_local_indices",
     "retrieval_block_scores",
     "retrieval_block_scores_reference",
@@ -269,3 +276,49 @@ def cis_compose(
         )
         return
     cis_compose_reference(*args, **kw, out_indices=out_indices, out_counts=out_counts)
+
+
+def cis_rescore(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    reuse: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    hold_local: bool = False,
+    score: str = "mass",
+) -> None:
+    """Re-rank the anchor pool of each ``reuse [B, Hkv]`` row at the current query, in place
+    (see :func:`.reference.cis_rescore_reference`): ``anchor_idx [N, Hkv, M]`` /
+    ``anchor_cnt [N, Hkv]`` (the list, int32) and ``anchor_next [N, Hkv, R]`` (its next-best
+    blocks, int32, ``-1`` for none) are one layer's anchor fields, rows by state slot. Reads
+    the keys of the pool's blocks, the sink and the local window: ``(M + R)·s + n_sink + wl``
+    key rows per row."""
+    check_query(query, kv)
+    b = query.shape[0]
+    h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
+    n = anchor_len.shape[0]
+    check_bool_mask("reuse", reuse, (b, h))
+    check_int("block_size", block_size, minimum=1)
+    check_int("n_sink", n_sink, minimum=0)
+    check_int("n_local", n_local, minimum=0)
+    check_block_score(score)
+    for name, t in (("anchor_idx", anchor_idx), ("anchor_next", anchor_next)):
+        if t.ndim != 3 or tuple(t.shape[:2]) != (n, h) or t.dtype != torch.int32:
+            raise ValueError(
+                f"{name} must be int32 [N={n}, Hkv={h}, width], got {list(t.shape)} {t.dtype}"
+            )
+    check_shape("anchor_cnt", anchor_cnt, (n, h), "[N, Hkv]")
+    announce("cis_rescore", "torch", query.device)
+    cis_rescore_reference(
+        query, kv, scaling, reuse, anchor_len, anchor_idx, anchor_cnt, anchor_next, slots,
+        block_size=block_size, n_sink=n_sink, n_local=n_local, hold_local=hold_local,
+        score=score,
+    )  # fmt: skip

@@ -15,12 +15,14 @@ from prhs_core.layout import KVLayout
 from prhs_kernels.blocks.reference import block_reduce_reference
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.compose.reference import window_indices_reference, window_widths
+from prhs_kernels.kv.reference import gather_kv_reference
 from prhs_kernels.score.reference import nonfinite_rows
 
 __all__ = [
     "block_eligible_reference",
     "cis_compose_reference",
     "cis_decide_reference",
+    "cis_rescore_reference",
     "held_local_indices",
     "retrieval_block_scores_reference",
     "window_block_mask_reference",
@@ -191,3 +193,78 @@ def cis_compose_reference(
     anchor_log_delta[slots] = torch.where(rr, 0.0, anchor_log_delta[slots]).to(
         anchor_log_delta.dtype
     )
+
+
+def cis_rescore_reference(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    reuse: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    hold_local: bool,
+    score: str = "mass",
+) -> None:
+    """Re-rank each ``reuse [B, Hkv]`` row's anchor pool at the current query, in place.
+
+    A row's pool is its anchor's list (``anchor_idx [N, Hkv, M]``, the first ``anchor_cnt``
+    entries) and the next-best blocks of the same retrieval (``anchor_next [N, Hkv, R]``,
+    ``-1`` for none), rows by state slot (``slots [B]``). Each pool block is scored as a
+    retrieval would score it, but only among the keys this step reads: every query head's
+    probabilities are normalised over the pool's positions, the sink and the local window (held
+    from the anchor's start with ``hold_local``), averaged over the group, and summed over the
+    block (``score="mass"``) or maximised (``"max"``). The best ``M`` become the list (by score,
+    largest first, ties toward the earlier pool entry; ``anchor_cnt`` their number) and the
+    others the next blocks, so the pool itself never changes until the next retrieval. The
+    other rows are left as they are."""
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    g, s = hq // h, block_size
+    m = anchor_idx.shape[-1]
+    dev = query.device
+    pool = torch.cat([anchor_idx[slots], anchor_next[slots]], -1).long()  # [B, H, P]
+    listed = torch.arange(pool.shape[-1], device=dev) < m
+    valid = (pool >= 0) & (
+        ~listed | (torch.arange(pool.shape[-1], device=dev) < anchor_cnt[slots].unsqueeze(-1))
+    )
+    t = kv.seq_lens.long().view(-1, 1, 1)  # [B, 1, 1]
+    cand = pool.unsqueeze(-1) * s + torch.arange(s, device=dev)  # [B, H, P, s]
+    cand_ok = valid.unsqueeze(-1) & (cand < t.unsqueeze(-1))
+    cand = torch.where(cand_ok, cand, -1).flatten(2)
+    tt = t.squeeze(-1)  # [B, 1]
+    if hold_local:
+        start = torch.clamp(torch.minimum(anchor_len[slots].long(), tt) - n_local, min=0)
+        width = 2 * n_local
+    else:
+        start = torch.clamp(tt - n_local, min=0).expand(b, h)
+        width = n_local
+    local = start.unsqueeze(-1) + torch.arange(width, device=dev)  # [B, H, wl]
+    local = torch.where(local < t, local, -1)
+    sink = torch.arange(n_sink, device=dev).view(1, 1, -1).expand(b, h, -1)
+    sink = torch.where((sink < t) & (sink < start.unsqueeze(-1)), sink, -1)  # not twice
+    positions = torch.cat([cand, sink, local], -1)  # [B, H, X]
+    keys, _ = gather_kv_reference(kv, positions, values=False)
+    q = query.reshape(b, h, g, d).float()
+    logits = torch.einsum("bhgd,bhxd->bhgx", q, keys.float()) * scaling
+    logits = logits.masked_fill((positions < 0).unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)).nan_to_num(0.0)
+    per_block = probs.mean(2)[..., : cand.shape[-1]].reshape(b, h, -1, s)
+    block = per_block.amax(-1) if score == "max" and s > 1 else per_block.sum(-1)
+    block = torch.where(valid, block.nan_to_num(-1.0), -1.0)
+    order = torch.sort(block, dim=-1, descending=True, stable=True).indices
+    ranked = torch.where(valid.gather(-1, order), pool.gather(-1, order), -1)
+    new_list = ranked[..., :m].to(anchor_idx.dtype)
+    new_next = ranked[..., m:].to(anchor_next.dtype)
+    new_cnt = (new_list >= 0).sum(-1).to(anchor_cnt.dtype)
+    rows = reuse
+    anchor_idx[slots] = torch.where(rows.unsqueeze(-1), new_list, anchor_idx[slots])
+    anchor_next[slots] = torch.where(rows.unsqueeze(-1), new_next, anchor_next[slots])
+    anchor_cnt[slots] = torch.where(rows, new_cnt, anchor_cnt[slots])
