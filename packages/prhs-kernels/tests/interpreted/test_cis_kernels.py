@@ -300,3 +300,41 @@ def test_top_blocks_refuses_bad_tuning(monkeypatch):
     monkeypatch.setitem(cis_triton.TUNING, "topk_scan_segment", 24)  # not a power of two
     with pytest.raises(ValueError, match="topk_scan_segment"):
         cis_triton.top_blocks_triton(x, 4, active)
+
+
+# --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
+@pytest.mark.parametrize(
+    ("s", "hq", "hkv", "hold", "score"),
+    [(1, 4, 1, True, "mass"), (2, 6, 2, False, "mass"), (4, 2, 2, True, "max")],
+    ids=["s1-g4-held", "s2-g3-sliding", "s4-g1-max"],
+)
+def test_rescore_matches_the_reference(make_kv, s, hq, hkv, hold, score):
+    from prhs_kernels.cis import cis_rescore
+
+    gen = torch.Generator().manual_seed(s + hq)
+    lens = [150, 97, 60]
+    data = make_kv(lens, hkv, 16, dtype=torch.bfloat16, seed=s)
+    b, m, r, n_local = len(lens), 5, 7, 8
+    q = torch.randn(b, hq, 16, generator=gen).bfloat16()
+    slots = torch.tensor([2, 0, 3])
+    reuse = torch.rand(b, hkv, generator=gen) < 0.8
+    reuse[0, 0] = True
+    n_slots = 4
+    anchor_len = torch.tensor([[40], [75], [130], [55]], dtype=torch.int32).expand(n_slots, hkv)
+    anchor_len = anchor_len.contiguous()
+    nb = 60 // s  # candidate blocks below every anchor's window
+    pools = torch.stack([torch.randperm(nb, generator=gen)[: m + r] for _ in range(n_slots * hkv)])
+    pools = pools.view(n_slots, hkv, m + r).to(torch.int32)
+    pools[1, -1, -2:] = -1  # a short pool
+    for name, kv in data.layouts.items():
+        fields = {}
+        for path in ("torch", PATH):
+            idx, nxt = pools[..., :m].clone(), pools[..., m:].clone()
+            cnt = torch.full((n_slots, hkv), m, dtype=torch.int32)
+            cnt[0, 0] = m - 1  # the list's last entry is not a candidate
+            kw = dict(block_size=s, n_sink=2, n_local=n_local, hold_local=hold, score=score)
+            cis_rescore(q, kv, 0.25, reuse, anchor_len, idx, cnt, nxt, slots, **kw, path=path)
+            fields[path] = (idx, cnt, nxt)
+        for want, got in zip(fields["torch"], fields[PATH], strict=True):
+            assert torch.equal(got, want), name
+        assert not torch.equal(fields[PATH][0], pools[..., :m]), "nothing was re-ranked"

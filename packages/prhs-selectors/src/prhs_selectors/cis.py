@@ -650,6 +650,7 @@ class CIS(BaseSelector):
                 n_local=c.n_local,
                 hold_local=c.hold_local,
                 score=c.block_score,
+                path=path,
             )
         scores = retrieval_block_scores(
             query,

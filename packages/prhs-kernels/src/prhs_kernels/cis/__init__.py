@@ -16,8 +16,8 @@
 
 :func:`cis_path` names the path: ``"triton"`` on CUDA for fp16/bf16 caches and power-of-two
 block sizes (three launches plus the retrieval's two and a top-k), ``"triton-interpreter"`` on
-the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``. :func:`cis_rescore` is torch on every
-device so far (static shapes, no host read: it is captured in a CUDA graph like the rest).
+the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``. :func:`cis_rescore` takes the same paths
+(its scores one launch, ranked by the top-k kernel).
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from prhs_kernels.cis.reference import (
     cis_decide_reference,
     cis_rescore_reference,
     held_local_indices,
+    rescore_pool,
+    rescore_window_start,
+    rescore_write,
     retrieval_block_scores_reference,
 )
 from prhs_kernels.compose.reference import window_widths
@@ -294,13 +297,16 @@ def cis_rescore(
     n_local: int,
     hold_local: bool = False,
     score: str = "mass",
+    path: str = "torch",
 ) -> None:
     """Re-rank the anchor pool of each ``reuse [B, Hkv]`` row at the current query, in place
     (see :func:`.reference.cis_rescore_reference`): ``anchor_idx [N, Hkv, M]`` /
     ``anchor_cnt [N, Hkv]`` (the list, int32) and ``anchor_next [N, Hkv, R]`` (its next-best
     blocks, int32, ``-1`` for none) are one layer's anchor fields, rows by state slot. Reads
     the keys of the pool's blocks, the sink and the local window: ``(M + R)·s + n_sink + wl``
-    key rows per row."""
+    key rows per row. On a Triton ``path`` (:func:`cis_path`) the scores are one launch (a
+    program per row, keys read in place, logits through a scratch row), ranked by the top-k
+    kernel, and the pools rewritten by torch ops."""
     check_query(query, kv)
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
@@ -316,7 +322,25 @@ def cis_rescore(
                 f"{name} must be int32 [N={n}, Hkv={h}, width], got {list(t.shape)} {t.dtype}"
             )
     check_shape("anchor_cnt", anchor_cnt, (n, h), "[N, Hkv]")
-    announce("cis_rescore", "torch", query.device)
+    announce("cis_rescore", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import rescore_scores_triton, top_blocks_fits
+        from prhs_kernels.cis.triton import top_blocks_triton as rank
+
+        pool, _ = rescore_pool(anchor_idx, anchor_cnt, anchor_next, slots)
+        lo = rescore_window_start(kv.seq_lens, anchor_len, slots, n_local, hold_local)
+        wl = 2 * n_local if hold_local else n_local
+        scores = rescore_scores_triton(
+            query, kv, scaling, reuse, pool, lo, block_size, n_sink, wl, score
+        )
+        m = anchor_idx.shape[-1]
+        if top_blocks_fits(pool.shape[-1], m):
+            chosen, val = rank(scores, m, reuse)
+        else:  # a pool beyond the top-k kernel's reach: the same ranking by torch.topk
+            val, chosen = torch.topk(scores, m, dim=-1)
+        chosen = torch.where(val > float("-inf"), chosen, -1)
+        rescore_write(pool, chosen, reuse, anchor_idx, anchor_cnt, anchor_next, slots)
+        return
     cis_rescore_reference(
         query, kv, scaling, reuse, anchor_len, anchor_idx, anchor_cnt, anchor_next, slots,
         block_size=block_size, n_sink=n_sink, n_local=n_local, hold_local=hold_local,

@@ -24,6 +24,9 @@ __all__ = [
     "cis_decide_reference",
     "cis_rescore_reference",
     "held_local_indices",
+    "rescore_pool",
+    "rescore_window_start",
+    "rescore_write",
     "retrieval_block_scores_reference",
     "window_block_mask_reference",
 ]
@@ -195,6 +198,59 @@ def cis_compose_reference(
     )
 
 
+def rescore_pool(
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pool [B, Hkv, M + R] int64, valid)``: each batch row's anchor pool, its list's first
+    ``anchor_cnt`` entries then its next-best blocks (``-1``: none)."""
+    m = anchor_idx.shape[-1]
+    pool = torch.cat([anchor_idx[slots], anchor_next[slots]], -1).long()
+    e = torch.arange(pool.shape[-1], device=pool.device)
+    valid = (pool >= 0) & ((e >= m) | (e < anchor_cnt[slots].unsqueeze(-1)))
+    return torch.where(valid, pool, -1), valid
+
+
+def rescore_window_start(
+    seq_lens: torch.Tensor, anchor_len: torch.Tensor, slots: torch.Tensor, n_local: int, hold: bool
+) -> torch.Tensor:
+    """``[B, Hkv]`` int64: where a reuse's local window starts (the anchor's start with
+    ``hold``, else ``t − n_local``)."""
+    t = seq_lens.long().view(-1, 1)
+    if hold:
+        return torch.clamp(torch.minimum(anchor_len[slots].long(), t) - n_local, min=0)
+    return torch.clamp(t - n_local, min=0).expand(-1, anchor_len.shape[1])
+
+
+def rescore_write(
+    pool: torch.Tensor,
+    chosen: torch.Tensor,
+    reuse: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write the re-ranked pools of the ``reuse`` rows: ``chosen [B, Hkv, M]`` are the pool
+    entries (indices into ``pool [B, Hkv, P]``, best first, ``-1`` for none) that become the
+    list; the others, in pool order, the next blocks."""
+    b, h, n_pool = pool.shape
+    r = anchor_next.shape[-1]
+    ok = chosen >= 0
+    new_list = torch.where(ok, pool.gather(-1, chosen.long().clamp(min=0)), -1)
+    mark = torch.zeros(b, h, n_pool + 1, dtype=torch.bool, device=pool.device)
+    mark.scatter_(-1, torch.where(ok, chosen.long(), n_pool), True)
+    rest = torch.sort(mark[..., :n_pool].to(torch.int8), dim=-1, stable=True).indices[..., :r]
+    new_next = pool.gather(-1, rest)
+    new_cnt = (new_list >= 0).sum(-1)
+    rows = reuse.unsqueeze(-1)
+    anchor_idx[slots] = torch.where(rows, new_list.to(anchor_idx.dtype), anchor_idx[slots])
+    anchor_next[slots] = torch.where(rows, new_next.to(anchor_next.dtype), anchor_next[slots])
+    anchor_cnt[slots] = torch.where(reuse, new_cnt.to(anchor_cnt.dtype), anchor_cnt[slots])
+
+
 def cis_rescore_reference(
     query: torch.Tensor,
     kv: KVLayout,
@@ -222,29 +278,20 @@ def cis_rescore_reference(
     from the anchor's start with ``hold_local``), averaged over the group, and summed over the
     block (``score="mass"``) or maximised (``"max"``). The best ``M`` become the list (by score,
     largest first, ties toward the earlier pool entry; ``anchor_cnt`` their number) and the
-    others the next blocks, so the pool itself never changes until the next retrieval. The
-    other rows are left as they are."""
+    others, in pool order, the next blocks, so the pool itself never changes until the next
+    retrieval. The other rows are left as they are."""
     b, hq, d = query.shape
     h = anchor_len.shape[1]
     g, s = hq // h, block_size
     m = anchor_idx.shape[-1]
     dev = query.device
-    pool = torch.cat([anchor_idx[slots], anchor_next[slots]], -1).long()  # [B, H, P]
-    listed = torch.arange(pool.shape[-1], device=dev) < m
-    valid = (pool >= 0) & (
-        ~listed | (torch.arange(pool.shape[-1], device=dev) < anchor_cnt[slots].unsqueeze(-1))
-    )
+    pool, valid = rescore_pool(anchor_idx, anchor_cnt, anchor_next, slots)
     t = kv.seq_lens.long().view(-1, 1, 1)  # [B, 1, 1]
     cand = pool.unsqueeze(-1) * s + torch.arange(s, device=dev)  # [B, H, P, s]
     cand_ok = valid.unsqueeze(-1) & (cand < t.unsqueeze(-1))
     cand = torch.where(cand_ok, cand, -1).flatten(2)
-    tt = t.squeeze(-1)  # [B, 1]
-    if hold_local:
-        start = torch.clamp(torch.minimum(anchor_len[slots].long(), tt) - n_local, min=0)
-        width = 2 * n_local
-    else:
-        start = torch.clamp(tt - n_local, min=0).expand(b, h)
-        width = n_local
+    start = rescore_window_start(kv.seq_lens, anchor_len, slots, n_local, hold_local)
+    width = 2 * n_local if hold_local else n_local
     local = start.unsqueeze(-1) + torch.arange(width, device=dev)  # [B, H, wl]
     local = torch.where(local < t, local, -1)
     sink = torch.arange(n_sink, device=dev).view(1, 1, -1).expand(b, h, -1)
@@ -259,12 +306,6 @@ def cis_rescore_reference(
     per_block = probs.mean(2)[..., : cand.shape[-1]].reshape(b, h, -1, s)
     block = per_block.amax(-1) if score == "max" and s > 1 else per_block.sum(-1)
     block = torch.where(valid, block.nan_to_num(-1.0), -1.0)
-    order = torch.sort(block, dim=-1, descending=True, stable=True).indices
-    ranked = torch.where(valid.gather(-1, order), pool.gather(-1, order), -1)
-    new_list = ranked[..., :m].to(anchor_idx.dtype)
-    new_next = ranked[..., m:].to(anchor_next.dtype)
-    new_cnt = (new_list >= 0).sum(-1).to(anchor_cnt.dtype)
-    rows = reuse
-    anchor_idx[slots] = torch.where(rows.unsqueeze(-1), new_list, anchor_idx[slots])
-    anchor_next[slots] = torch.where(rows.unsqueeze(-1), new_next, anchor_next[slots])
-    anchor_cnt[slots] = torch.where(rows, new_cnt, anchor_cnt[slots])
+    order = torch.sort(block, dim=-1, descending=True, stable=True).indices[..., :m]
+    chosen = torch.where(valid.gather(-1, order), order, -1)
+    rescore_write(pool, chosen, reuse, anchor_idx, anchor_cnt, anchor_next, slots)

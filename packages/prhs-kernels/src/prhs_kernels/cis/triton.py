@@ -40,6 +40,7 @@ __all__ = [
     "TUNING",
     "cis_compose_triton",
     "cis_decide_triton",
+    "rescore_scores_triton",
     "retrieval_block_scores_triton",
     "top_blocks_fits",
     "top_blocks_triton",
@@ -751,3 +752,221 @@ def cis_compose_triton(
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
         BLOCK_W=block_w, BS=block_size, HOLD=hold_local, num_warps=_compose_warps(block_w),
     )  # fmt: skip
+
+
+# --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
+def _rescore_kernel(
+    Q,
+    K,
+    POOL,
+    REUSE,
+    LENS,
+    LO,
+    START,
+    REQ2TOK,
+    REQIDX,
+    SCR,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_rt,
+    scaling,
+    n_pool,
+    n_sink,
+    n_local_w,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    G_POW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_START: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASS: tl.constexpr,
+):
+    # One program per (sequence, KV head). Pass 1: the logits of the window's keys and of the
+    # pool's, each head's running max and sum over them (the pool's logits kept in a scratch
+    # row); pass 2: each pool block's score from its heads' probabilities, averaged over the
+    # group. Rows that do not reuse get -inf.
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    BLOCK_N: tl.constexpr = BLOCK_E * BS
+    row = pid.to(tl.int64)
+    if tl.load(REUSE + pid) != 0:
+        seq = tl.load(LENS + b).to(tl.int64)
+        lo = tl.load(LO + pid).to(tl.int64)  # the local window's first position
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        q = tl.load(
+            Q
+            + b.to(tl.int64) * stride_qb
+            + (h * G + offs_g)[:, None] * stride_qh
+            + offs_d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        req = 0
+        if PAGED:
+            req = tl.load(REQIDX + b).to(tl.int64)
+        pad = 0
+        if HAS_START:
+            pad = tl.load(START + b).to(tl.int64)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        # The windows: the sink (the part before the local window) and the local window.
+        w = tl.arange(0, BLOCK_W)
+        pos_w = tl.where(w < n_sink, w, lo + (w - n_sink)).to(tl.int64)
+        ok_w = (w < n_sink + n_local_w) & (pos_w < seq) & ((w >= n_sink) | (pos_w < lo))
+        if PAGED:
+            slot_w = tl.load(REQ2TOK + req * stride_rt + pos_w, mask=ok_w, other=0).to(tl.int64)
+            k_row = slot_w * stride_kt + h * stride_kh
+        else:
+            k_row = b.to(tl.int64) * stride_kb + h * stride_kh + (pos_w + pad) * stride_kt
+        k = tl.load(
+            K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0
+        )
+        if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(ok_w[None, :], qk * scaling, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qk - m_safe[:, None]), 1)
+        m_i = m_new
+        # The pool: entries e, positions pool[e]·BS + j.
+        v = tl.arange(0, BLOCK_N)
+        scr = SCR + (row * G + offs_g)[:, None].to(tl.int64) * (n_pool * BS)
+        for e0 in range(0, n_pool, BLOCK_E):
+            entry = e0 + v // BS
+            ids = tl.load(POOL + row * n_pool + entry, mask=entry < n_pool, other=-1).to(tl.int64)
+            pos = ids * BS + v % BS
+            ok = (entry < n_pool) & (ids >= 0) & (pos < seq)
+            if PAGED:
+                slot = tl.load(REQ2TOK + req * stride_rt + pos, mask=ok, other=0).to(tl.int64)
+                kr = slot * stride_kt + h * stride_kh
+            else:
+                kr = b.to(tl.int64) * stride_kb + h * stride_kh + (pos + pad) * stride_kt
+            kp = tl.load(
+                K + kr[:, None] + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+            )
+            if UPCAST:
+                qkp = tl.dot(q.to(tl.float32), tl.trans(kp.to(tl.float32)), input_precision="ieee")
+            else:
+                qkp = tl.dot(q, tl.trans(kp))
+            qkp = tl.where(ok[None, :], qkp * scaling, float("-inf"))
+            tl.store(
+                scr + (e0 * BS + v)[None, :], qkp, mask=g_ok[:, None] & (entry < n_pool)[None, :]
+            )
+            m_new = tl.maximum(m_i, tl.max(qkp, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qkp - m_safe[:, None]), 1)
+            m_i = m_new
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = m_safe + tl.log(tl.where(l_i > 0, l_i, 1.0))  # [BLOCK_G]
+        lse = tl.where(l_i > 0, lse, float("inf"))  # a head with nothing to read: probabilities 0
+        # Pass 2 (the statistics' rows as G_POW lanes: reload lse per head).
+        offs_gp = tl.arange(0, G_POW)
+        gp_ok = offs_gp < G
+        lse_p = tl.sum(tl.where(offs_gp[:, None] == offs_g[None, :], lse[None, :], 0.0), 1)
+        e_loc = tl.arange(0, BLOCK_E)
+        j = tl.arange(0, BS)
+        scr_p = SCR + (row * G + offs_gp).to(tl.int64) * (n_pool * BS)
+        for e0 in range(0, n_pool, BLOCK_E):
+            e = e0 + e_loc
+            blk = tl.load(POOL + row * n_pool + e, mask=e < n_pool, other=-1)
+            flat = e[:, None] * BS + j[None, :]  # [BLOCK_E, BS]
+            lg = tl.load(
+                scr_p[:, None, None] + flat[None, :, :],
+                mask=gp_ok[:, None, None] & (e < n_pool)[None, :, None],
+                other=float("-inf"),
+            )  # [G_POW, BLOCK_E, BS]
+            p = tl.exp(lg - lse_p[:, None, None])
+            p = tl.sum(tl.where(gp_ok[:, None, None], p, 0.0), 0) / G  # [BLOCK_E, BS]
+            if MASS:
+                score = tl.sum(p, 1)
+            else:
+                score = tl.max(p, 1)
+            tl.store(
+                OUT + row * n_pool + e, tl.where(blk >= 0, score, float("-inf")), mask=e < n_pool
+            )
+    else:
+        for e0 in range(0, n_pool, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            tl.store(OUT + row * n_pool + e, tl.full([BLOCK_E], float("-inf"), tl.float32),
+                     mask=e < n_pool)  # fmt: skip
+
+
+@functools.cache
+def _rescore_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key, as for the other kernels
+    return triton.jit(_rescore_kernel)
+
+
+def rescore_scores_triton(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    reuse: torch.Tensor,
+    pool: torch.Tensor,
+    lo: torch.Tensor,
+    block_size: int,
+    n_sink: int,
+    n_local_w: int,
+    score: str,
+) -> torch.Tensor:
+    """``[B, Hkv, P]`` float32: each pool block's score at the current query (each head's
+    probabilities over the pool's keys, the sink's and the local window's, averaged over the
+    group; the block's sum or max), ``-inf`` for empty entries and rows that do not reuse.
+    ``pool [B, Hkv, P]`` block ids (``-1``: none), ``lo [B, Hkv]`` the local window's first
+    position (the sink is read below it)."""
+    from prhs_core.layout import ContiguousKV
+
+    b, hq, d = query.shape
+    h = kv.num_kv_heads
+    g = hq // h
+    n_pool = pool.shape[-1]
+    s = block_size
+    out = torch.empty(b, h, n_pool, dtype=torch.float32, device=query.device)
+    if b * h == 0 or n_pool == 0:
+        return out.fill_(float("-inf"))
+    scr = torch.empty(b * h * g, n_pool * s, dtype=torch.float32, device=query.device)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    paged = not isinstance(kv, ContiguousKV)
+    if paged:
+        k = kv.k_pool
+        skb, skh, skt = 0, k.stride(1), k.stride(0)
+        req2tok, reqidx, stride_rt = kv.req_to_token, kv.req_pool_indices, kv.req_to_token.stride(0)
+        start, has_start = kv.seq_lens, False
+    else:
+        k = kv.k
+        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
+        req2tok = reqidx = kv.seq_lens
+        stride_rt = 0
+        has_start = kv.start is not None
+        start = kv.start if has_start else kv.seq_lens
+    if k.stride(-1) != 1:
+        raise ValueError("the Triton path needs a cache whose last dim is contiguous")
+    block_e = max(1, 64 // s)
+    block_w = _pow2(n_sink + n_local_w, 16)
+    _rescore_jit(interpreting())[(b * h,)](
+        query, k, pool.contiguous(), reuse.contiguous().view(torch.int8), kv.seq_lens,
+        lo.to(torch.int32).contiguous(), start, req2tok, reqidx, scr, out,
+        query.stride(0), query.stride(1), skb, skh, skt, stride_rt, float(scaling), n_pool,
+        n_sink, n_local_w,
+        HKV=h, G=g, BLOCK_G=_pow2(g, 16), G_POW=_pow2(g, 1), D=d, BLOCK_D=_pow2(d, 16), BS=s,
+        BLOCK_E=block_e, BLOCK_W=block_w, PAGED=paged, HAS_START=has_start,
+        UPCAST=interpreting(), MASS=score == "mass", num_warps=4,
+    )  # fmt: skip
+    return out
