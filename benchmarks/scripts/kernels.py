@@ -66,10 +66,12 @@ here keep three copies of the B16·T64k caches within the GPU's memory)."""
 def machine() -> dict[str, Any]:
     import triton
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True)
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("PRHS_COMMIT", "unknown")
+    commit = os.environ.get("PRHS_COMMIT", "")  # the tree sent, where git's metadata is stale
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True)
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,

@@ -304,17 +304,31 @@ def test_top_blocks_refuses_bad_tuning(monkeypatch):
 
 # --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
 @pytest.mark.parametrize(
-    ("s", "hq", "hkv", "hold", "score"),
-    [(1, 4, 1, True, "mass"), (2, 6, 2, False, "mass"), (4, 2, 2, True, "max")],
-    ids=["s1-g4-held", "s2-g3-sliding", "s4-g1-max"],
+    ("s", "hq", "hkv", "hold", "score", "split"),
+    [
+        (1, 4, 1, True, "mass", False),
+        (2, 6, 2, False, "mass", False),
+        (4, 2, 2, True, "max", False),
+        (1, 4, 2, True, "mass", True),
+        (2, 2, 1, False, "max", True),
+    ],
+    ids=["s1-g4-held", "s2-g3-sliding", "s4-g1-max", "s1-split", "s2-split-max"],
 )
-def test_rescore_matches_the_reference(make_kv, s, hq, hkv, hold, score):
+def test_rescore_matches_the_reference(make_kv, monkeypatch, s, hq, hkv, hold, score, split):
     from prhs_kernels.cis import cis_rescore
 
     gen = torch.Generator().manual_seed(s + hq)
     lens = [150, 97, 60]
     data = make_kv(lens, hkv, 16, dtype=torch.bfloat16, seed=s)
     b, m, r, n_local = len(lens), 5, 7, 8
+    if split:  # a pool over several programs of tiles of 16 positions, rewritten 16 at a time
+        m, r = 6, 20
+        monkeypatch.setitem(cis_triton.TUNING, "rescore_tile", 16)
+        monkeypatch.setitem(cis_triton.TUNING, "rescore_min_tiles", 1)
+        monkeypatch.setitem(cis_triton.TUNING, "rescore_programs_per_sm", 64)
+        monkeypatch.setitem(cis_triton.TUNING, "rescore_write_block", 16)
+        chunk, n_split = cis_triton.rescore_splits(b * hkv, m + r, 16 // s, torch.device("cpu"))
+        assert n_split > 1 and chunk < m + r
     q = torch.randn(b, hq, 16, generator=gen).bfloat16()
     slots = torch.tensor([2, 0, 3])
     reuse = torch.rand(b, hkv, generator=gen) < 0.8

@@ -32,9 +32,6 @@ from prhs_kernels.cis.reference import (
     cis_decide_reference,
     cis_rescore_reference,
     held_local_indices,
-    rescore_pool,
-    rescore_window_start,
-    rescore_write,
     retrieval_block_scores_reference,
 )
 from prhs_kernels.compose.reference import window_widths
@@ -304,9 +301,10 @@ def cis_rescore(
     ``anchor_cnt [N, Hkv]`` (the list, int32) and ``anchor_next [N, Hkv, R]`` (its next-best
     blocks, int32, ``-1`` for none) are one layer's anchor fields, rows by state slot. Reads
     the keys of the pool's blocks, the sink and the local window: ``(M + R)·s + n_sink + wl``
-    key rows per row. On a Triton ``path`` (:func:`cis_path`) the scores are one launch (a
-    program per row, keys read in place, logits through a scratch row), ranked by the top-k
-    kernel, and the pools rewritten by torch ops."""
+    key rows per row. On a Triton ``path`` (:func:`cis_path`): the scores in two launches
+    (programs of a row's pool split, keys read in place, logits through a scratch row, each
+    split's log-sum-exps merged), the ranking by the top-k kernel and the pools rewritten by a
+    third launch."""
     check_query(query, kv)
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
@@ -324,22 +322,23 @@ def cis_rescore(
     check_shape("anchor_cnt", anchor_cnt, (n, h), "[N, Hkv]")
     announce("cis_rescore", path, query.device)
     if path.startswith("triton"):
-        from prhs_kernels.cis.triton import rescore_scores_triton, top_blocks_fits
+        from prhs_kernels.cis.triton import (
+            rescore_scores_triton,
+            rescore_write_triton,
+            top_blocks_fits,
+        )
         from prhs_kernels.cis.triton import top_blocks_triton as rank
 
-        pool, _ = rescore_pool(anchor_idx, anchor_cnt, anchor_next, slots)
-        lo = rescore_window_start(kv.seq_lens, anchor_len, slots, n_local, hold_local)
-        wl = 2 * n_local if hold_local else n_local
+        fields = (anchor_len, anchor_idx, anchor_cnt, anchor_next, slots)
         scores = rescore_scores_triton(
-            query, kv, scaling, reuse, pool, lo, block_size, n_sink, wl, score
+            query, kv, scaling, reuse, *fields, block_size, n_sink, n_local, hold_local, score
         )
         m = anchor_idx.shape[-1]
-        if top_blocks_fits(pool.shape[-1], m):
+        if top_blocks_fits(scores.shape[-1], m):
             chosen, val = rank(scores, m, reuse)
         else:  # a pool beyond the top-k kernel's reach: the same ranking by torch.topk
             val, chosen = torch.topk(scores, m, dim=-1)
-        chosen = torch.where(val > float("-inf"), chosen, -1)
-        rescore_write(pool, chosen, reuse, anchor_idx, anchor_cnt, anchor_next, slots)
+        rescore_write_triton(chosen, val, reuse, anchor_idx, anchor_cnt, anchor_next, slots)
         return
     cis_rescore_reference(
         query, kv, scaling, reuse, anchor_len, anchor_idx, anchor_cnt, anchor_next, slots,

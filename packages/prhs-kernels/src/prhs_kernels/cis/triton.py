@@ -41,6 +41,8 @@ __all__ = [
     "cis_compose_triton",
     "cis_decide_triton",
     "rescore_scores_triton",
+    "rescore_splits",
+    "rescore_write_triton",
     "retrieval_block_scores_triton",
     "top_blocks_fits",
     "top_blocks_triton",
@@ -54,6 +56,10 @@ TUNING = {
     "topk_sort_warps": 8,
     "topk_radix_bits": 2,
     "topk_scan_segment": 128,
+    "rescore_programs_per_sm": 4,
+    "rescore_min_tiles": 2,
+    "rescore_tile": 64,
+    "rescore_write_block": 2048,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
@@ -72,7 +78,10 @@ with a 256-bin histogram (4 rounds), 16 384 positions 82.8 against 48.0 at 2 bit
 top-k's prefix counts (a prefix sum within segments of that many lanes, then over the
 segments' totals; 0: one prefix sum over the block); at 2 bits, µs at 0 / 32 / 128 / 512:
 16 384 positions 48.1 / 46.1 / 45.9 / 47.4, 65 536 71.3 / 63.5 / 63.2 / 65.8, 131 072 106 /
-100 / 99.2 / 103. Module-level so that a benchmark can sweep them."""
+100 / 99.2 / 103. And the re-ranking of a reuse's pool (``rescore``): programs per multiprocessor
+its rows are split into, the fewest tiles a program reads, the positions of a tile, and the
+pool entries the rewrite walks at a time.
+Module-level so that a benchmark can sweep them."""
 
 
 def _decide_kernel(
@@ -755,54 +764,44 @@ def cis_compose_triton(
 
 
 # --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
-def _rescore_kernel(
-    Q,
-    K,
-    POOL,
-    REUSE,
-    LENS,
-    LO,
-    START,
-    REQ2TOK,
-    REQIDX,
-    SCR,
-    OUT,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_rt,
-    scaling,
-    n_pool,
-    n_sink,
-    n_local_w,
-    HKV: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    G_POW: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    PAGED: tl.constexpr,
-    HAS_START: tl.constexpr,
-    UPCAST: tl.constexpr,
-    MASS: tl.constexpr,
-):
-    # One program per (sequence, KV head). Pass 1: the logits of the window's keys and of the
-    # pool's, each head's running max and sum over them (the pool's logits kept in a scratch
-    # row); pass 2: each pool block's score from its heads' probabilities, averaged over the
-    # group. Rows that do not reuse get -inf.
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, entry, ok, m_list):
+    """Block ids of pool ``entry`` (a tensor of entries) of one row: the anchor's list below
+    ``m_list`` (its first ``anchor_cnt`` entries), then its next blocks; ``-1`` for none."""
+    cnt = tl.load(ACNT + cnt_off)
+    in_list = entry < m_list
+    from_list = tl.load(AIDX + a_base + entry, mask=ok & in_list & (entry < cnt), other=-1)
+    from_next = tl.load(ANEXT + n_base + (entry - m_list), mask=ok & (entry >= m_list), other=-1)
+    return tl.where(in_list, from_list, from_next).to(tl.int64)
+
+
+def _rescore_logits_kernel(
+    Q, K, AIDX, ACNT, ANEXT, ALEN, SLOTS, REUSE, LENS, START, REQ2TOK, REQIDX, SCR, PART,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_rt,
+    stride_ai_n, stride_ai_h, stride_ac_n, stride_ac_h, stride_an_n, stride_an_h,
+    stride_al_n, stride_al_h,
+    scaling, n_pool, m_list, n_sink, n_local, n_local_w, chunk, n_split,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+    PAGED: tl.constexpr, HAS_START: tl.constexpr, HOLD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # Program (row, split): the logits of the split's pool entries (split 0: and of the sink's
+    # and the local window's keys) into the row's scratch, and each head's running max and sum
+    # over them into the row's partials. Rows that do not reuse do nothing.
     pid = tl.program_id(0)
+    sp = tl.program_id(1)
     b = pid // HKV
     h = pid % HKV
     BLOCK_N: tl.constexpr = BLOCK_E * BS
     row = pid.to(tl.int64)
     if tl.load(REUSE + pid) != 0:
+        slot = tl.load(SLOTS + b).to(tl.int64)
         seq = tl.load(LENS + b).to(tl.int64)
-        lo = tl.load(LO + pid).to(tl.int64)  # the local window's first position
+        if HOLD:  # the window starts where the anchor's did
+            alen = tl.load(ALEN + slot * stride_al_n + h * stride_al_h).to(tl.int64)
+            lo = tl.maximum(tl.minimum(alen, seq) - n_local, 0)
+        else:
+            lo = tl.maximum(seq - n_local, 0)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G
@@ -823,38 +822,43 @@ def _rescore_kernel(
             pad = tl.load(START + b).to(tl.int64)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        # The windows: the sink (the part before the local window) and the local window.
-        w = tl.arange(0, BLOCK_W)
-        pos_w = tl.where(w < n_sink, w, lo + (w - n_sink)).to(tl.int64)
-        ok_w = (w < n_sink + n_local_w) & (pos_w < seq) & ((w >= n_sink) | (pos_w < lo))
-        if PAGED:
-            slot_w = tl.load(REQ2TOK + req * stride_rt + pos_w, mask=ok_w, other=0).to(tl.int64)
-            k_row = slot_w * stride_kt + h * stride_kh
-        else:
-            k_row = b.to(tl.int64) * stride_kb + h * stride_kh + (pos_w + pad) * stride_kt
-        k = tl.load(
-            K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0
-        )
-        if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(ok_w[None, :], qk * scaling, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qk - m_safe[:, None]), 1)
-        m_i = m_new
-        # The pool: entries e, positions pool[e]·BS + j.
+        if sp == 0:  # the windows: the sink (the part before the local window), the local one
+            w = tl.arange(0, BLOCK_W)
+            pos_w = tl.where(w < n_sink, w, lo + (w - n_sink)).to(tl.int64)
+            ok_w = (w < n_sink + n_local_w) & (pos_w < seq) & ((w >= n_sink) | (pos_w < lo))
+            if PAGED:
+                slot_w = tl.load(REQ2TOK + req * stride_rt + pos_w, mask=ok_w, other=0)
+                k_row = slot_w.to(tl.int64) * stride_kt + h * stride_kh
+            else:
+                k_row = b.to(tl.int64) * stride_kb + h * stride_kh + (pos_w + pad) * stride_kt
+            k = tl.load(
+                K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0
+            )
+            if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(ok_w[None, :], qk * scaling, float("-inf"))
+            m_i = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            l_i = tl.sum(tl.exp(qk - m_safe[:, None]), 1)
+        # The split's pool entries e, positions id(e)·BS + j.
+        a_base = slot * stride_ai_n + h * stride_ai_h
+        n_base = slot * stride_an_n + h * stride_an_h
+        cnt_off = slot * stride_ac_n + h * stride_ac_h
         v = tl.arange(0, BLOCK_N)
         scr = SCR + (row * G + offs_g)[:, None].to(tl.int64) * (n_pool * BS)
-        for e0 in range(0, n_pool, BLOCK_E):
+        e_lo = sp * chunk
+        e_hi = tl.minimum(e_lo + chunk, n_pool)
+        for e0 in range(e_lo, e_hi, BLOCK_E):
             entry = e0 + v // BS
-            ids = tl.load(POOL + row * n_pool + entry, mask=entry < n_pool, other=-1).to(tl.int64)
+            in_pool = entry < e_hi
+            ids = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, entry, in_pool, m_list)
             pos = ids * BS + v % BS
-            ok = (entry < n_pool) & (ids >= 0) & (pos < seq)
+            ok = in_pool & (ids >= 0) & (pos < seq)
             if PAGED:
-                slot = tl.load(REQ2TOK + req * stride_rt + pos, mask=ok, other=0).to(tl.int64)
-                kr = slot * stride_kt + h * stride_kh
+                slot_k = tl.load(REQ2TOK + req * stride_rt + pos, mask=ok, other=0).to(tl.int64)
+                kr = slot_k * stride_kt + h * stride_kh
             else:
                 kr = b.to(tl.int64) * stride_kb + h * stride_kh + (pos + pad) * stride_kt
             kp = tl.load(
@@ -865,52 +869,159 @@ def _rescore_kernel(
             else:
                 qkp = tl.dot(q, tl.trans(kp))
             qkp = tl.where(ok[None, :], qkp * scaling, float("-inf"))
-            tl.store(
-                scr + (e0 * BS + v)[None, :], qkp, mask=g_ok[:, None] & (entry < n_pool)[None, :]
-            )
+            tl.store(scr + (e0 * BS + v)[None, :], qkp, mask=g_ok[:, None] & in_pool[None, :])
             m_new = tl.maximum(m_i, tl.max(qkp, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qkp - m_safe[:, None]), 1)
             m_i = m_new
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        lse = m_safe + tl.log(tl.where(l_i > 0, l_i, 1.0))  # [BLOCK_G]
-        lse = tl.where(l_i > 0, lse, float("inf"))  # a head with nothing to read: probabilities 0
-        # Pass 2 (the statistics' rows as G_POW lanes: reload lse per head).
+        part = PART + ((row * n_split + sp) * 2 * BLOCK_G).to(tl.int64)
+        tl.store(part + offs_g, m_i)
+        tl.store(part + BLOCK_G + offs_g, l_i)
+
+
+def _rescore_scores_kernel(
+    AIDX, ACNT, ANEXT, SLOTS, REUSE, SCR, PART, OUT,
+    stride_ai_n, stride_ai_h, stride_ac_n, stride_ac_h, stride_an_n, stride_an_h,
+    n_pool, m_list, chunk, n_split,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, G_POW: tl.constexpr,
+    BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, MASS: tl.constexpr,
+):  # fmt: skip
+    # Program (row, split): each head's log-sum-exp from the row's partials, then the score of
+    # each of the split's pool blocks from its heads' probabilities, averaged over the group;
+    # -inf for empty entries and for rows that do not reuse.
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    row = pid.to(tl.int64)
+    e_lo = sp * chunk
+    e_hi = tl.minimum(e_lo + chunk, n_pool)
+    e_loc = tl.arange(0, BLOCK_E)
+    if tl.load(REUSE + pid) != 0:
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
         offs_gp = tl.arange(0, G_POW)
         gp_ok = offs_gp < G
-        lse_p = tl.sum(tl.where(offs_gp[:, None] == offs_g[None, :], lse[None, :], 0.0), 1)
-        e_loc = tl.arange(0, BLOCK_E)
+        part = PART + (row * n_split + offs_s).to(tl.int64)[:, None] * (2 * BLOCK_G)
+        s_ok = (offs_s < n_split)[:, None] & gp_ok[None, :]
+        pm = tl.load(part + offs_gp[None, :], mask=s_ok, other=float("-inf"))
+        pl = tl.load(part + BLOCK_G + offs_gp[None, :], mask=s_ok, other=0.0)
+        mx = tl.max(pm, 0)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        pm_safe = tl.where(pm == float("-inf"), mx_safe[None, :], pm)
+        l_i = tl.sum(pl * tl.exp(pm_safe - mx_safe[None, :]), 0)
+        lse = mx_safe + tl.log(tl.where(l_i > 0, l_i, 1.0))  # [G_POW]
+        lse = tl.where(l_i > 0, lse, float("inf"))  # a head with nothing to read: probabilities 0
+        a_base = slot * stride_ai_n + h * stride_ai_h
+        n_base = slot * stride_an_n + h * stride_an_h
+        cnt_off = slot * stride_ac_n + h * stride_ac_h
         j = tl.arange(0, BS)
         scr_p = SCR + (row * G + offs_gp).to(tl.int64) * (n_pool * BS)
-        for e0 in range(0, n_pool, BLOCK_E):
+        for e0 in range(e_lo, e_hi, BLOCK_E):
             e = e0 + e_loc
-            blk = tl.load(POOL + row * n_pool + e, mask=e < n_pool, other=-1)
+            in_pool = e < e_hi
+            blk = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, e, in_pool, m_list)
             flat = e[:, None] * BS + j[None, :]  # [BLOCK_E, BS]
             lg = tl.load(
                 scr_p[:, None, None] + flat[None, :, :],
-                mask=gp_ok[:, None, None] & (e < n_pool)[None, :, None],
+                mask=gp_ok[:, None, None] & in_pool[None, :, None],
                 other=float("-inf"),
             )  # [G_POW, BLOCK_E, BS]
-            p = tl.exp(lg - lse_p[:, None, None])
+            p = tl.exp(lg - lse[:, None, None])
             p = tl.sum(tl.where(gp_ok[:, None, None], p, 0.0), 0) / G  # [BLOCK_E, BS]
             if MASS:
                 score = tl.sum(p, 1)
             else:
                 score = tl.max(p, 1)
-            tl.store(
-                OUT + row * n_pool + e, tl.where(blk >= 0, score, float("-inf")), mask=e < n_pool
-            )
+            tl.store(OUT + row * n_pool + e, tl.where(blk >= 0, score, float("-inf")), mask=in_pool)
     else:
-        for e0 in range(0, n_pool, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
+        for e0 in range(e_lo, e_hi, BLOCK_E):
+            e = e0 + e_loc
             tl.store(OUT + row * n_pool + e, tl.full([BLOCK_E], float("-inf"), tl.float32),
-                     mask=e < n_pool)  # fmt: skip
+                     mask=e < e_hi)  # fmt: skip
+
+
+def _rescore_write_kernel(
+    AIDX, ACNT, ANEXT, SLOTS, REUSE, CHOSEN, CVAL, FLAG, TMP,
+    stride_ai_n, stride_ai_h, stride_ac_n, stride_ac_h, stride_an_n, stride_an_h,
+    n_pool, m_list, r_next,
+    HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    SEG: tl.constexpr,
+):  # fmt: skip
+    # One program per reusing row: the chosen pool entries (best first) become the list, the
+    # others, in pool order, the next blocks. Everything is read (the new list into registers,
+    # the next blocks into the row's TMP) before the row's anchor fields are written.
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    row = pid.to(tl.int64)
+    if tl.load(REUSE + pid) != 0:
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        a_base = slot * stride_ai_n + h * stride_ai_h
+        n_base = slot * stride_an_n + h * stride_an_h
+        cnt_off = slot * stride_ac_n + h * stride_ac_h
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < m_list
+        ch = tl.load(CHOSEN + row * m_list + offs_m, mask=m_ok, other=-1)
+        cv = tl.load(CVAL + row * m_list + offs_m, mask=m_ok, other=float("-inf"))
+        chosen = m_ok & (ch >= 0) & (cv > float("-inf"))
+        ch = tl.where(chosen, ch, 0).to(tl.int64)
+        new_list = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, ch, chosen, m_list)
+        new_list = tl.where(chosen, new_list, -1)
+        # Mark the chosen entries, then compact the others (in pool order) into TMP.
+        flag = FLAG + row * n_pool
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, n_pool, BLOCK_P):
+            tl.store(flag + p0 + offs_p, tl.zeros([BLOCK_P], tl.int8), mask=p0 + offs_p < n_pool)
+        tl.debug_barrier()
+        tl.store(flag + ch, tl.full([BLOCK_M], 1, tl.int8), mask=chosen)
+        tl.debug_barrier()
+        tmp = TMP + row * r_next
+        done = pid * 0  # an int32 scalar: the type the loop carries
+        for p0 in range(0, n_pool, BLOCK_P):
+            e = p0 + offs_p
+            in_pool = e < n_pool
+            rest = in_pool & (tl.load(flag + e, mask=in_pool, other=1) == 0)
+            ids = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, e, rest, m_list)
+            at = done + _prefix_count(rest, BLOCK_P, SEG) - 1
+            tl.store(tmp + at, ids.to(tl.int32), mask=rest & (at < r_next))
+            done += tl.sum(rest.to(tl.int32), 0)
+        tl.debug_barrier()
+        tl.store(AIDX + a_base + offs_m, new_list.to(tl.int32), mask=m_ok)
+        tl.store(ACNT + cnt_off, tl.sum((new_list >= 0).to(tl.int32), 0))
+        offs_r = tl.arange(0, BLOCK_R)
+        for r0 in range(0, r_next, BLOCK_R):
+            rr = r0 + offs_r
+            nxt = tl.load(tmp + rr, mask=rr < r_next, other=-1)
+            tl.store(ANEXT + n_base + rr, nxt, mask=rr < r_next)
 
 
 @functools.cache
-def _rescore_jit(interpret: bool) -> object:
+def _rescore_jit(interpret: bool) -> tuple[object, object, object]:
     del interpret  # part of the cache key, as for the other kernels
-    return triton.jit(_rescore_kernel)
+    return (
+        triton.jit(_rescore_logits_kernel),
+        triton.jit(_rescore_scores_kernel),
+        triton.jit(_rescore_write_kernel),
+    )
+
+
+def rescore_splits(rows: int, n_pool: int, block_e: int, device: torch.device) -> tuple[int, int]:
+    """``(chunk, splits)``: pool entries per program (a multiple of ``block_e``) and programs
+    per row, enough for ``TUNING["rescore_programs_per_sm"]`` programs per multiprocessor and no
+    chunk shorter than ``TUNING["rescore_min_tiles"]`` tiles. A function of shapes only."""
+    want = max(1, -(-TUNING["rescore_programs_per_sm"] * _multiprocessors(device) // max(rows, 1)))
+    tiles = max(1, -(-n_pool // block_e))
+    per = max(TUNING["rescore_min_tiles"], -(-tiles // want))
+    chunk = per * block_e
+    return chunk, max(1, -(-n_pool // chunk))
+
+
+def _rescore_block_e(block_size: int) -> int:
+    n = TUNING["rescore_tile"]
+    if n < 16 or n & (n - 1):
+        raise ValueError(f'TUNING["rescore_tile"] must be a power of two >= 16, got {n!r}')
+    return max(1, n // block_size)
 
 
 def rescore_scores_triton(
@@ -918,29 +1029,40 @@ def rescore_scores_triton(
     kv: KVLayout,
     scaling: float,
     reuse: torch.Tensor,
-    pool: torch.Tensor,
-    lo: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
     block_size: int,
     n_sink: int,
-    n_local_w: int,
+    n_local: int,
+    hold_local: bool,
     score: str,
 ) -> torch.Tensor:
-    """``[B, Hkv, P]`` float32: each pool block's score at the current query (each head's
-    probabilities over the pool's keys, the sink's and the local window's, averaged over the
-    group; the block's sum or max), ``-inf`` for empty entries and rows that do not reuse.
-    ``pool [B, Hkv, P]`` block ids (``-1``: none), ``lo [B, Hkv]`` the local window's first
-    position (the sink is read below it)."""
+    """``[B, Hkv, P]`` float32, ``P = M + R``: each pool entry's score at the current query (each
+    head's probabilities over the pool's keys, the sink's and the local window's, averaged over
+    the group; the block's sum or max), ``-inf`` for empty entries and rows that do not reuse.
+    The pool is read from the anchor fields of each row's slot (the list's first
+    ``anchor_cnt`` entries, then the next blocks). Two launches over ``(row, split)`` programs:
+    the logits into a scratch row and each split's partial log-sum-exps, then the scores."""
     from prhs_core.layout import ContiguousKV
 
     b, hq, d = query.shape
     h = kv.num_kv_heads
     g = hq // h
-    n_pool = pool.shape[-1]
+    m_list, r_next = anchor_idx.shape[-1], anchor_next.shape[-1]
+    n_pool = m_list + r_next
     s = block_size
-    out = torch.empty(b, h, n_pool, dtype=torch.float32, device=query.device)
+    dev = query.device
+    out = torch.empty(b, h, n_pool, dtype=torch.float32, device=dev)
     if b * h == 0 or n_pool == 0:
         return out.fill_(float("-inf"))
-    scr = torch.empty(b * h * g, n_pool * s, dtype=torch.float32, device=query.device)
+    block_e = _rescore_block_e(s)
+    chunk, n_split = rescore_splits(b * h, n_pool, block_e, dev)
+    block_g = _pow2(g, 16)
+    scr = torch.empty(b * h * g, n_pool * s, dtype=torch.float32, device=dev)
+    part = torch.empty(b * h * n_split, 2 * block_g, dtype=torch.float32, device=dev)
     if query.stride(-1) != 1:
         query = query.contiguous()
     paged = not isinstance(kv, ContiguousKV)
@@ -958,15 +1080,55 @@ def rescore_scores_triton(
         start = kv.start if has_start else kv.seq_lens
     if k.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
-    block_e = max(1, 64 // s)
-    block_w = _pow2(n_sink + n_local_w, 16)
-    _rescore_jit(interpreting())[(b * h,)](
-        query, k, pool.contiguous(), reuse.contiguous().view(torch.int8), kv.seq_lens,
-        lo.to(torch.int32).contiguous(), start, req2tok, reqidx, scr, out,
-        query.stride(0), query.stride(1), skb, skh, skt, stride_rt, float(scaling), n_pool,
-        n_sink, n_local_w,
-        HKV=h, G=g, BLOCK_G=_pow2(g, 16), G_POW=_pow2(g, 1), D=d, BLOCK_D=_pow2(d, 16), BS=s,
-        BLOCK_E=block_e, BLOCK_W=block_w, PAGED=paged, HAS_START=has_start,
-        UPCAST=interpreting(), MASS=score == "mass", num_warps=4,
+    flags = reuse.contiguous().view(torch.int8)
+    fields = (anchor_idx, anchor_cnt, anchor_next)
+    strides = (*anchor_idx.stride()[:2], *anchor_cnt.stride(), *anchor_next.stride()[:2])
+    wl = 2 * n_local if hold_local else n_local
+    logits, scores, _ = _rescore_jit(interpreting())
+    logits[(b * h, n_split)](
+        query, k, *fields, anchor_len, slots, flags, kv.seq_lens, start, req2tok, reqidx, scr,
+        part, query.stride(0), query.stride(1), skb, skh, skt, stride_rt, *strides,
+        *anchor_len.stride(), float(scaling), n_pool, m_list, n_sink, n_local, wl, chunk,
+        n_split,
+        HKV=h, G=g, BLOCK_G=block_g, D=d, BLOCK_D=_pow2(d, 16), BS=s, BLOCK_E=block_e,
+        BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
+        UPCAST=interpreting(), num_warps=4,
+    )  # fmt: skip
+    scores[(b * h, n_split)](
+        *fields, slots, flags, scr, part, out, *strides, n_pool, m_list, chunk, n_split,
+        HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 1), BS=s, BLOCK_E=block_e,
+        BLOCK_S=_pow2(n_split, 1), MASS=score == "mass", num_warps=4,
     )  # fmt: skip
     return out
+
+
+def rescore_write_triton(
+    chosen: torch.Tensor,
+    values: torch.Tensor,
+    reuse: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write the re-ranked pools of the ``reuse [B, Hkv]`` rows in place: ``chosen [B, Hkv, M]``
+    (int32, best first) are the pool entries that become the list where ``values`` is finite;
+    the other entries, in pool order, become the next blocks. One launch, a program per row."""
+    b, h, m_list = chosen.shape
+    r_next = anchor_next.shape[-1]
+    n_pool = m_list + r_next
+    if b * h == 0 or m_list == 0:
+        return
+    dev = chosen.device
+    flag = torch.empty(b * h, n_pool, dtype=torch.int8, device=dev)
+    tmp = torch.empty(b * h, max(r_next, 1), dtype=torch.int32, device=dev)
+    block_p = min(_pow2(n_pool, 16), TUNING["rescore_write_block"])
+    strides = (*anchor_idx.stride()[:2], *anchor_cnt.stride(), *anchor_next.stride()[:2])
+    *_, write = _rescore_jit(interpreting())
+    write[(b * h,)](
+        anchor_idx, anchor_cnt, anchor_next, slots, reuse.contiguous().view(torch.int8),
+        chosen.to(torch.int32).contiguous(), values.contiguous(), flag, tmp, *strides, n_pool,
+        m_list, r_next,
+        HKV=h, BLOCK_M=_pow2(m_list, 16), BLOCK_P=block_p, BLOCK_R=min(_pow2(r_next, 16), 1024),
+        SEG=_scan_segment(block_p), num_warps=4 if block_p <= 1024 else 8,
+    )  # fmt: skip
