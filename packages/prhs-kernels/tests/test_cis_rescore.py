@@ -77,3 +77,35 @@ def test_bad_input_is_refused_before_any_write(make_kv):
         cis_rescore(q, kv, 0.3, on, alen, idx, cnt[:, :1], nxt, slots, **kw)
     for x, y in zip((idx, cnt, nxt), snap, strict=True):
         assert torch.equal(x, y)
+
+
+def test_retrieval_pool_keeps_the_next_blocks_in_block_order():
+    from prhs_kernels.cis import retrieval_pool
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, m, r = 2, 2, 30, 4, 6
+    scores = torch.rand(b, h, n, generator=gen)
+    scores[0, 1, 10:] = float("-inf")  # 10 finite blocks: 4 in the list, 6 next
+    scores[1, 0, 7:] = float("-inf")  # 7 finite: 3 next, then -1
+    retrieve = torch.tensor([[True, True], [True, False]])
+    slots = torch.tensor([1, 0])
+    nxt = torch.full((3, h, r), 9, dtype=torch.int32)
+    before = nxt.clone()
+    idx, val = retrieval_pool(scores, m, r, retrieve, nxt, slots)
+    for bi in range(b):
+        for hi in range(h):
+            order = torch.argsort(scores[bi, hi], descending=True, stable=True)
+            finite = order[scores[bi, hi][order] > float("-inf")]
+            got = nxt[slots[bi], hi]
+            if not retrieve[bi, hi]:
+                assert torch.equal(got, before[slots[bi], hi])
+                continue
+            assert idx[bi, hi].tolist() == finite[:m].tolist()
+            assert torch.equal(val[bi, hi], scores[bi, hi][finite[:m]])
+            want = sorted(finite[m : m + r].tolist())
+            assert got.tolist() == want + [-1] * (r - len(want))
+    assert bool((nxt[2] == 9).all())  # a slot no row uses
+    with pytest.raises(ValueError, match="anchor_next"):
+        retrieval_pool(scores, m, r, retrieve, nxt.long(), slots)
+    with pytest.raises(ValueError, match="retrieve"):
+        retrieval_pool(scores, m, r, retrieve[:1], nxt, slots)

@@ -237,12 +237,18 @@ def test_rescore_is_paper_mode_only_and_sized_by_blocks():
     sel = CIS(CISConfig(budget=16, block_size=4, rescore=10, tau=0.8))
     st = sel.init_state(AttentionSpec(2, 4, 2, 8), capacity=2, max_seq_len=64)
     assert tuple(st.pool["anchor_next"].shape[1:]) == (2, 2, 3)  # ceil(10 / 4) blocks
-    assert (
-        "anchor_next"
-        not in CIS(CISConfig(tau=0.8))
-        .init_state(AttentionSpec(2, 4, 2, 8), capacity=1, max_seq_len=64)
-        .pool.field_names
-    )
+    spec = AttentionSpec(2, 4, 2, 8)
+    for plain in (CISConfig(tau=0.8, rescore=0), CISConfig(tau=0.8, delta_max=0.1)):
+        assert plain.rescore_positions == 0
+        st = CIS(plain).init_state(spec, capacity=1, max_seq_len=64)
+        assert "anchor_next" not in st.pool.field_names
+    # The default: a pool of 2·k in paper mode, and the lower target ratio that goes with it.
+    default = CISConfig(budget=24, block_size=8)
+    assert default.rescore_positions == 48 and default.auto_target_rho == 0.2
+    assert CISConfig(rescore=0).auto_target_rho == 0.28
+    assert CISConfig(delta_max=0.1).auto_target_rho == 0.28
+    st = CIS(default).init_state(spec, capacity=1, max_seq_len=64)
+    assert tuple(st.pool["anchor_next"].shape[1:]) == (2, 2, 6)
 
 
 def test_budget_covering_everything_gives_dense_output(make_sim, layout):
@@ -271,7 +277,8 @@ def test_released_slot_starts_without_anchor(make_sim):
     assert state.pool.num_active == 0
     sim.attach(sel, state)  # the same slot, a new sequence
     for name in state.pool.field_names:
-        fill = {"anchor_idx": -1, "tau": 0.72, "tau_beta": -1, "tau_rho": -1}.get(name, 0)
+        fills = {"anchor_idx": -1, "anchor_next": -1, "tau": 0.72, "tau_beta": -1, "tau_rho": -1}
+        fill = fills.get(name, 0)
         assert bool((state.pool[name][0] == fill).all()), name
     # The same (constant) query would reuse a stale anchor: a fresh slot must retrieve.
     assert bool(sim.select(0).stats.retrieved.all())

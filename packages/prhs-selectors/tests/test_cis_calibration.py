@@ -256,7 +256,8 @@ def test_fixed_tau_needs_no_prompt():
     assert sel.prompt_queries() == 0
     certified = selectors.create("cis", delta_max=0.1, require_cosine=False)
     assert certified.prompt_queries() == 0  # no cosine gate to calibrate
-    assert math.isclose(selectors.create("cis").config.auto_target_rho, 0.28)
+    assert math.isclose(selectors.create("cis").config.auto_target_rho, 0.2)  # re-ranking reuses
+    assert math.isclose(selectors.create("cis", rescore=0).config.auto_target_rho, 0.28)
 
 
 @pytest.mark.parametrize("block_size", [1, 4])

@@ -352,3 +352,32 @@ def test_rescore_matches_the_reference(make_kv, monkeypatch, s, hq, hkv, hold, s
         for want, got in zip(fields["torch"], fields[PATH], strict=True):
             assert torch.equal(got, want), name
         assert not torch.equal(fields[PATH][0], pools[..., :m]), "nothing was re-ranked"
+
+
+@pytest.mark.parametrize(("n", "m", "r"), [(40, 5, 9), (12, 5, 9), (30, 8, 20)])
+def test_retrieval_pool_matches_the_torch_path(monkeypatch, n, m, r):
+    """The list (best first), its values and the next blocks (block order) written at each
+    retrieving row's slot, with ties, blocks that cannot be chosen (-inf) and fewer candidates
+    than m + r; the rest is walked 16 candidates at a time."""
+    from prhs_kernels.cis import retrieval_pool
+
+    monkeypatch.setitem(cis_triton.TUNING, "rescore_write_block", 16)
+    gen = torch.Generator().manual_seed(n + m)
+    b, h = 3, 2
+    scores = torch.randint(0, 6, (b, h, n), generator=gen).float()  # many ties
+    scores[0, 0, :4] = float("-inf")
+    scores[1, 1, n // 2 :] = float("-inf")  # fewer finite blocks than m + r
+    retrieve = torch.tensor([[True, True], [False, True], [True, False]])
+    slots = torch.tensor([2, 0, 3])
+    out = {}
+    for path in ("torch", PATH):
+        nxt = torch.full((4, h, r), 7, dtype=torch.int32)
+        idx, val = retrieval_pool(scores, m, r, retrieve, nxt, slots, path=path)
+        out[path] = (idx, val, nxt)
+    want, got = out["torch"], out[PATH]
+    rows = retrieve.unsqueeze(-1)
+    assert torch.equal(torch.where(rows, got[0], -1), torch.where(rows, want[0], -1))
+    assert torch.equal(torch.where(rows, got[1], 0.0), torch.where(rows, want[1], 0.0))
+    assert torch.equal(got[2], want[2])
+    assert bool((got[2][1] == 7).all())  # a slot no row uses
+    assert bool((got[2][0, 0] == 7).all()) and bool((got[2][3, 1] == 7).all())  # not retrieving

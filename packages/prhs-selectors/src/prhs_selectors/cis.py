@@ -65,6 +65,7 @@ from prhs_kernels.cis import (
     cis_rescore,
     held_local_indices,
     retrieval_block_scores,
+    retrieval_pool,
     top_blocks,
 )
 from prhs_kernels.compose import dilate_indices
@@ -93,8 +94,14 @@ FALLBACK_TAU = 0.72
 CERTIFICATES = ("page", "global")
 DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
+#: The ratio is lower when reuses re-rank their anchor's pool (``rescore``), which keeps about a
+#: third of the mass a plain reuse loses, so fewer retrievals keep the same mass.
 DEFAULT_TARGET_RHO = 0.28
+DEFAULT_TARGET_RHO_RESCORE = 0.2
 DEFAULT_PROMPT_QUERIES = 32
+#: ``rescore=None`` in paper mode: the pool a retrieval keeps beyond its ``k``, in multiples of
+#: ``k``.
+DEFAULT_RESCORE_FACTOR = 2
 
 _ANCHOR_FIELDS = (
     "anchor_q",
@@ -163,7 +170,8 @@ class CISConfig(SelectorConfig):
         head (what
         ``benchmarks/scripts/cis_rules.py calibrate`` writes for a model).
     target_rho:
-        ``tau="auto"`` only: the mean retrieval ratio the calibration aims at (default 0.28).
+        ``tau="auto"`` only: the mean retrieval ratio the calibration aims at (default 0.2 when
+        reuses re-rank, ``rescore > 0``, else 0.28).
     prompt_queries:
         ``tau="auto"`` only: how many of the prompt's last queries the calibration replays
         (default 32, at least 2).
@@ -176,7 +184,8 @@ class CISConfig(SelectorConfig):
         of its ranking, and every reuse scores this pool of ``k + rescore`` at its own query,
         from the keys of the pool and the windows only (each query head normalised over what
         it reads), and reads the best ``k``: the set follows the query between retrievals for
-        ``rescore`` more key rows read per reuse. 0 (the default): the anchor's list as it was.
+        ``rescore`` more key rows read per reuse. ``None`` (the default): ``2·k`` in paper mode,
+        0 in certified mode; 0: the anchor's list as it was (the paper's reuse).
     n_den:
         Dilation density: the top ``m = ⌊k/n_den⌋`` positions (blocks) of ``S_a`` are dilated.
     r:
@@ -208,7 +217,7 @@ class CISConfig(SelectorConfig):
     target_rho: float | None = None
     prompt_queries: int | None = None
     hold_local: bool = True
-    rescore: int = 0
+    rescore: int | None = None
     n_den: int = 3
     r: int = 1
     delta_max: float | None = None
@@ -226,7 +235,8 @@ class CISConfig(SelectorConfig):
             raise TypeError(f"hold_local must be a bool, got {type(self.hold_local).__name__}")
         check_int("n_den", self.n_den, minimum=1)
         check_int("r", self.r, minimum=0)
-        check_int("rescore", self.rescore, minimum=0)
+        if self.rescore is not None:
+            check_int("rescore", self.rescore, minimum=0)
         if not isinstance(self.require_cosine, bool):
             raise TypeError("require_cosine must be a bool")
         self._check_auto()
@@ -293,7 +303,17 @@ class CISConfig(SelectorConfig):
     @property
     def auto_target_rho(self) -> float:
         """The mean retrieval ratio ``tau="auto"`` aims at."""
-        return self.target_rho if self.target_rho is not None else DEFAULT_TARGET_RHO
+        if self.target_rho is not None:
+            return self.target_rho
+        return DEFAULT_TARGET_RHO_RESCORE if self.rescore_positions else DEFAULT_TARGET_RHO
+
+    @property
+    def rescore_positions(self) -> int:
+        """The pool a retrieval keeps beyond its ``k`` for the reuses to re-rank (positions; 0:
+        none): ``rescore``, or with ``None`` ``2·k`` in paper mode and 0 in certified mode."""
+        if self.rescore is not None:
+            return self.rescore
+        return 0 if self.certified else DEFAULT_RESCORE_FACTOR * self.budget
 
     @property
     def auto_queries(self) -> int:
@@ -376,7 +396,7 @@ class CIS(BaseSelector):
 
     def rescore_blocks(self) -> int:
         """``R``: the next-best blocks an anchor keeps for its reuses to re-rank (0: none)."""
-        return -(-self.config.rescore // self.config.block_size)
+        return -(-self.config.rescore_positions // self.config.block_size)
 
     def dilation_m(self) -> int:
         """``m = ⌊(k/s) / n_den⌋``: how many of the anchor's top blocks are dilated."""
@@ -664,11 +684,12 @@ class CIS(BaseSelector):
             path=path,
         )
         m_width = self.anchor_width()
-        new_idx, new_scores = top_blocks(scores, m_width + n_next, retrieve, path=path)
-        if n_next:
-            after = torch.where(new_scores[..., m_width:] > NEG_INF, new_idx[..., m_width:], -1)
-            after = torch.nn.functional.pad(after, (0, n_next - after.shape[-1]), value=-1)
-            new_idx, new_scores = new_idx[..., :m_width], new_scores[..., :m_width]
+        if n_next:  # the retrieving rows' anchors also keep their next-best blocks
+            new_idx, new_scores = retrieval_pool(
+                scores, m_width, n_next, retrieve, anchor_next, slots, path=path
+            )
+        else:
+            new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         sel = plan.selection
         cis_compose(
             query,
@@ -689,10 +710,6 @@ class CIS(BaseSelector):
             hold_local=c.hold_local,
             path=path,
         )
-        if n_next:  # the retrieving rows' anchors keep their next-best blocks
-            anchor_next[slots] = torch.where(
-                retrieve.unsqueeze(-1), after.to(torch.int32), anchor_next[slots]
-            )
         if plan.stats is not None:
             hq, d = query.shape[1:]
             reuse_bytes = float(hq // kv.num_kv_heads * d * 4)

@@ -54,6 +54,7 @@ __all__ = [
     "held_local_indices",
     "retrieval_block_scores",
     "retrieval_block_scores_reference",
+    "retrieval_pool",
     "top_blocks",
 ]
 
@@ -216,6 +217,54 @@ def top_blocks(
     idx, _ = topk_indices(scores, k)
     vals = torch.gather(scores, -1, idx.long().clamp(min=0))
     return idx, vals.masked_fill(idx < 0, float("-inf"))
+
+
+def retrieval_pool(
+    scores: torch.Tensor,
+    m: int,
+    r: int,
+    retrieve: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    path: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrieval that also keeps its next ``r`` blocks for the reuses to re-rank (CIS's
+    ``rescore``): ``(indices [B, Hkv, min(m, NB)] int32, values)``, the top ``m`` blocks of each
+    ``retrieve [B, Hkv]`` row of ``scores [B, Hkv, NB]`` best first, as :func:`top_blocks`
+    returns them; and, written into ``anchor_next [N, Hkv, r]`` (int32) at each retrieving
+    row's slot (``slots [B]``), the blocks ranked after them (up to ``r``, those with a finite
+    score) in block order, then ``-1``. Rows that do not retrieve keep their ``anchor_next``.
+    Ties: toward the lower block, on every path (on CUDA's torch path, as ``torch.topk``
+    breaks them). On a Triton path the top ``m + r`` are found unsorted, and only the top ``m``
+    of those sorted."""
+    check_int("m", m, minimum=1)
+    check_int("r", r, minimum=1)
+    if scores.ndim != 3:
+        raise ValueError(f"scores must be [B, Hkv, NB], got {list(scores.shape)}")
+    b, h, n = scores.shape
+    check_bool_mask("retrieve", retrieve, (b, h))
+    if anchor_next.ndim != 3 or anchor_next.shape[1:] != (h, r) or anchor_next.dtype != torch.int32:
+        raise ValueError(
+            f"anchor_next must be int32 [N, Hkv={h}, r={r}], got {list(anchor_next.shape)} "
+            f"{anchor_next.dtype}"
+        )
+    check_shape("slots", slots, (b,), "[B]")
+    k_all = min(m + r, n)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import retrieval_pool_triton, top_blocks_fits
+
+        if top_blocks_fits(n, k_all) and top_blocks_fits(k_all, min(m, k_all)):
+            announce("retrieval_pool", path, scores.device)
+            return retrieval_pool_triton(scores, m, r, retrieve, anchor_next, slots)
+    idx, val = top_blocks(scores, k_all, retrieve, path=path)
+    after = torch.where(val[..., m:] > float("-inf"), idx[..., m:], -1)
+    big = torch.iinfo(torch.int32).max  # -1 after every block, then block order
+    after = torch.sort(torch.where(after < 0, big, after), dim=-1).values
+    after = torch.where(after == big, -1, after)
+    after = torch.nn.functional.pad(after, (0, r - after.shape[-1]), value=-1).to(torch.int32)
+    anchor_next[slots] = torch.where(retrieve.unsqueeze(-1), after, anchor_next[slots])
+    return idx[..., :m], val[..., :m]
 
 
 def cis_compose(

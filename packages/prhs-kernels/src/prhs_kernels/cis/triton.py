@@ -44,6 +44,7 @@ __all__ = [
     "rescore_splits",
     "rescore_write_triton",
     "retrieval_block_scores_triton",
+    "retrieval_pool_triton",
     "top_blocks_fits",
     "top_blocks_triton",
 ]
@@ -56,7 +57,7 @@ TUNING = {
     "topk_sort_warps": 8,
     "topk_radix_bits": 2,
     "topk_scan_segment": 128,
-    "rescore_programs_per_sm": 4,
+    "rescore_programs_per_sm": 8,
     "rescore_min_tiles": 2,
     "rescore_tile": 64,
     "rescore_write_block": 2048,
@@ -546,11 +547,12 @@ def top_blocks_fits(n: int, k: int) -> bool:
 
 
 def top_blocks_triton(
-    scores: torch.Tensor, k: int, active: torch.Tensor
+    scores: torch.Tensor, k: int, active: torch.Tensor, *, sort: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
-    (``k <= N``, :func:`top_blocks_fits`), largest first; inactive rows get ``-1`` / ``-inf``.
-    One launch for rows of up to ``TOPK_ONE_PASS`` scores, two or more above."""
+    (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
+    chunk's missing entries last); inactive rows get ``-1`` / ``-inf``. One launch for rows of
+    up to ``TOPK_ONE_PASS`` scores, two or more above."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -588,7 +590,7 @@ def top_blocks_triton(
         block = _pow2(chunk, 16)
         topk[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
-            BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last,
+            BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
             RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block),
             num_warps=_topk_warps(block, last),
         )  # fmt: skip
@@ -1132,3 +1134,90 @@ def rescore_write_triton(
         HKV=h, BLOCK_M=_pow2(m_list, 16), BLOCK_P=block_p, BLOCK_R=min(_pow2(r_next, 16), 1024),
         SEG=_scan_segment(block_p), num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
+
+
+def _pool_rest_kernel(
+    CAND, CVAL, PICK, PVAL, ACTIVE, SLOTS, FLAG, LIST, ANEXT,
+    stride_an_n, stride_an_h, n_cand, m_list, r_next,
+    HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, SEG: tl.constexpr,
+):  # fmt: skip
+    # One program per active row: the picked candidates (best first) become the list, and the
+    # other finite candidates, in candidate (position) order, the row's next blocks (then -1).
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    row = pid.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_list
+    if tl.load(ACTIVE + pid) != 0:
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        pk = tl.load(PICK + row * m_list + offs_m, mask=m_ok, other=-1)
+        pv = tl.load(PVAL + row * m_list + offs_m, mask=m_ok, other=float("-inf"))
+        picked = m_ok & (pk >= 0) & (pv > float("-inf"))
+        pk = tl.where(picked, pk, 0).to(tl.int64)
+        ids = tl.load(CAND + row * n_cand + pk, mask=picked, other=-1)
+        tl.store(LIST + row * m_list + offs_m, tl.where(picked, ids, -1), mask=m_ok)
+        flag = FLAG + row * n_cand
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, n_cand, BLOCK_P):
+            tl.store(flag + p0 + offs_p, tl.zeros([BLOCK_P], tl.int8), mask=p0 + offs_p < n_cand)
+        tl.debug_barrier()
+        tl.store(flag + pk, tl.full([BLOCK_M], 1, tl.int8), mask=picked)
+        tl.debug_barrier()
+        nxt = ANEXT + slot * stride_an_n + h * stride_an_h
+        done = pid * 0  # an int32 scalar: the type the loop carries
+        for p0 in range(0, n_cand, BLOCK_P):
+            e = p0 + offs_p
+            in_c = e < n_cand
+            cv = tl.load(CVAL + row * n_cand + e, mask=in_c, other=float("-inf"))
+            rest = in_c & (cv > float("-inf")) & (tl.load(flag + e, mask=in_c, other=1) == 0)
+            cid = tl.load(CAND + row * n_cand + e, mask=rest, other=-1)
+            at = done + _prefix_count(rest, BLOCK_P, SEG) - 1
+            tl.store(nxt + at, cid, mask=rest & (at < r_next))
+            done += tl.sum(rest.to(tl.int32), 0)
+        for p0 in range(0, r_next, BLOCK_P):
+            e = p0 + offs_p
+            tl.store(nxt + e, tl.full([BLOCK_P], -1, tl.int32), mask=(e >= done) & (e < r_next))
+    else:
+        tl.store(LIST + row * m_list + offs_m, tl.full([BLOCK_M], -1, tl.int32), mask=m_ok)
+
+
+@functools.cache
+def _pool_rest_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key, as for the other kernels
+    return triton.jit(_pool_rest_kernel)
+
+
+def retrieval_pool_triton(
+    scores: torch.Tensor,
+    m: int,
+    r: int,
+    retrieve: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrieval that keeps its next ``r`` blocks (``rescore``): ``(list [B, Hkv, m'] int32,
+    values)``, the top ``m' = min(m, N)`` blocks of each retrieving row of ``scores [B, Hkv,
+    N]``, best first, and, written into ``anchor_next [N_slots, Hkv, r]`` at each retrieving
+    row's slot, the blocks ranked ``m' + 1 … m' + r`` in block order (``-1`` after them). The
+    top ``m + r`` unsorted, then the top ``m'`` of those sorted, then one launch for the rest:
+    cheaper than sorting ``m + r`` winners (rows of 16 384 at ``m`` 1024, ``r`` 2048 on an
+    H200: 146 µs sorted, 54 + 25 + the rest's launch). The caller checks
+    :func:`top_blocks_fits` for both rankings."""
+    b, h, n = scores.shape
+    k_all = min(m + r, n)
+    cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
+    mm = min(m, k_all)
+    pick, pval = top_blocks_triton(cval, mm, retrieve)
+    out = torch.empty(b, h, mm, dtype=torch.int32, device=scores.device)
+    if b * h == 0 or mm == 0:
+        return out.fill_(-1), pval
+    flag = torch.empty(b * h, k_all, dtype=torch.int8, device=scores.device)
+    block_p = min(_pow2(k_all, 16), TUNING["rescore_write_block"])
+    _pool_rest_jit(interpreting())[(b * h,)](
+        cand, cval, pick, pval, retrieve.contiguous().view(torch.int8), slots, flag, out,
+        anchor_next, *anchor_next.stride()[:2], k_all, mm, r,
+        HKV=h, BLOCK_M=_pow2(mm, 16), BLOCK_P=block_p, SEG=_scan_segment(block_p),
+        num_warps=4 if block_p <= 1024 else 8,
+    )  # fmt: skip
+    return out, pval
