@@ -313,6 +313,9 @@ def main() -> None:
     ap.add_argument("--plot")
     args = ap.parse_args()
     files = sorted(Path(args.trace).glob("w*.pt"), key=lambda p: int(p.stem[1:]))[: args.windows]
+    if not files:
+        ap.error(f"no trace windows (w0.pt, ...) in {args.trace}: record them first with "
+                 "`cis_replay.py capture --out DIR`")  # fmt: skip
     acc: dict = {}
     t0 = time.perf_counter()
     meta = {}
