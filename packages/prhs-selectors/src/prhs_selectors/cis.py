@@ -94,8 +94,8 @@ FALLBACK_TAU = 0.72
 CERTIFICATES = ("page", "global")
 DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
-#: The ratio is lower when reuses re-rank their anchor's pool (``rescore``), which keeps about a
-#: third of the mass a plain reuse loses, so fewer retrievals keep the same mass.
+#: The ratio is lower when reuses re-rank their anchor's pool (``rescore``): they then lose a
+#: quarter to a third of what a plain reuse loses, so fewer retrievals keep as much mass.
 DEFAULT_TARGET_RHO = 0.28
 DEFAULT_TARGET_RHO_RESCORE = 0.2
 DEFAULT_PROMPT_QUERIES = 32
