@@ -31,7 +31,7 @@ import triton.language as tl
 from prhs_core.layout import KVLayout
 from prhs_kernels.paths import interpreting
 from prhs_kernels.score import triton as score_triton
-from prhs_kernels.sparse_decode.triton import _multiprocessors
+from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 
 __all__ = [
     "TOPK_CHUNK",
@@ -1048,7 +1048,6 @@ def rescore_scores_triton(
     The pool is read from the anchor fields of each row's slot (the list's first
     ``anchor_cnt`` entries, then the next blocks). Two launches over ``(row, split)`` programs:
     the logits into a scratch row and each split's partial log-sum-exps, then the scores."""
-    from prhs_core.layout import ContiguousKV
 
     b, hq, d = query.shape
     h = kv.num_kv_heads
@@ -1067,19 +1066,7 @@ def rescore_scores_triton(
     part = torch.empty(b * h * n_split, 2 * block_g, dtype=torch.float32, device=dev)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    paged = not isinstance(kv, ContiguousKV)
-    if paged:
-        k = kv.k_pool
-        skb, skh, skt = 0, k.stride(1), k.stride(0)
-        req2tok, reqidx, stride_rt = kv.req_to_token, kv.req_pool_indices, kv.req_to_token.stride(0)
-        start, has_start = kv.seq_lens, False
-    else:
-        k = kv.k
-        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
-        req2tok = reqidx = kv.seq_lens
-        stride_rt = 0
-        has_start = kv.start is not None
-        start = kv.start if has_start else kv.seq_lens
+    k, (skb, skh, skt), req2tok, reqidx, stride_rt, start, has_start, paged = key_args(kv)
     if k.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
     flags = reuse.contiguous().view(torch.int8)

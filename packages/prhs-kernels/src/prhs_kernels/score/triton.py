@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from prhs_core.layout import ContiguousKV, KVLayout
+from prhs_core.layout import KVLayout
 from prhs_kernels.paths import interpreting
-from prhs_kernels.sparse_decode.triton import _multiprocessors
+from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 
 __all__ = ["TUNING", "retrieval_logits_triton", "retrieval_probs_triton"]
 
@@ -251,20 +251,7 @@ def retrieval_logits_triton(
     sl = torch.empty_like(sm)
     has_active = active is not None
     flags = active.reshape(-1).view(torch.int8) if active is not None else kv.seq_lens
-    if isinstance(kv, ContiguousKV):
-        k = kv.k
-        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
-        req2tok = reqidx = kv.seq_lens  # unused
-        stride_rt = 0
-        has_start = kv.start is not None
-        start = kv.start if has_start else kv.seq_lens
-        paged = False
-    else:
-        k = kv.k_pool
-        skb, skh, skt = 0, k.stride(1), k.stride(0)
-        req2tok, reqidx = kv.req_to_token, kv.req_pool_indices
-        stride_rt = kv.req_to_token.stride(0)
-        start, has_start, paged = kv.seq_lens, False, True
+    k, (skb, skh, skt), req2tok, reqidx, stride_rt, start, has_start, paged = key_args(kv)
     if labels is not None:
         d = labels.shape[-1]
         lab, slb, slh = labels, labels.stride(0), labels.stride(1)

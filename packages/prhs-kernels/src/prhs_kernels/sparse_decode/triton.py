@@ -249,6 +249,23 @@ def _multiprocessors(device: torch.device) -> int:
     return 4
 
 
+def key_args(kv: KVLayout) -> tuple:
+    """How a kernel finds a logical position's key row in either layout: ``(k, (skb, skh,
+    skt), req_to_token, req_pool_indices, stride_rt, start, has_start, paged)``. Paged: row
+    ``req_to_token[req, t]`` of ``k_pool``; contiguous: ``[b, h, t + start[b]]`` of ``k``. The
+    tensors a layout does not use are ``seq_lens`` (never read by the kernel)."""
+    if isinstance(kv, ContiguousKV):
+        k = kv.k
+        has_start = kv.start is not None
+        start = kv.start if has_start else kv.seq_lens
+        strides = (k.stride(0), k.stride(1), k.stride(2))
+        return k, strides, kv.seq_lens, kv.seq_lens, 0, start, has_start, False
+    k = kv.k_pool
+    strides = (0, k.stride(1), k.stride(0))
+    rt = kv.req_to_token
+    return k, strides, rt, kv.req_pool_indices, rt.stride(0), kv.seq_lens, False, True
+
+
 def num_splits(pairs: int, max_positions: int, device: torch.device) -> int:
     """Slices per (sequence, KV head) list: enough programs for ``TUNING["waves"]`` programs per
     multiprocessor, and no slice shorter than one tile. A function of shapes only."""
@@ -308,22 +325,9 @@ def sparse_decode_attention_triton(
     part_m = torch.empty(b, hq, n_part, dtype=torch.float32, device=dev)
     part_l = torch.empty(b, hq, n_part, dtype=torch.float32, device=dev)
 
-    paged = not isinstance(kv, ContiguousKV)
-    if paged:
-        k, v = kv.k_pool, kv.v_pool
-        skb, skh, skt = 0, k.stride(1), k.stride(0)
-        svb, svh, svt = 0, v.stride(1), v.stride(0)
-        req2tok, reqidx, stride_rt = kv.req_to_token, kv.req_pool_indices, kv.req_to_token.stride(0)
-        start = kv.seq_lens  # unused
-        has_start = False
-    else:
-        k, v = kv.k, kv.v
-        skb, skh, skt = k.stride(0), k.stride(1), k.stride(2)
-        svb, svh, svt = v.stride(0), v.stride(1), v.stride(2)
-        req2tok = reqidx = kv.seq_lens  # unused
-        stride_rt = 0
-        has_start = kv.start is not None
-        start = kv.start if has_start else kv.seq_lens
+    k, (skb, skh, skt), req2tok, reqidx, stride_rt, start, has_start, paged = key_args(kv)
+    v = kv.v_pool if paged else kv.v
+    svb, svh, svt = (0, v.stride(1), v.stride(0)) if paged else v.stride()[:3]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
 
