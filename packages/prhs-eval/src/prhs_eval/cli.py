@@ -307,7 +307,156 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", choices=_DTYPES, default=None, help="parameter dtype")
     cal.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     cal.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_table5(sub)
     return parser
+
+
+def _add_table5(sub: Any) -> None:
+    t5 = sub.add_parser(
+        "table5",
+        help="end-to-end decode throughput (the paper's Table V): random-weight models of "
+        "published shapes, a static cache, CUDA graphs; writes OUT/table5/",
+        description="Decode throughput through the transformers integration: a model of each "
+        "shape with random weights, a static cache of B rows of T random tokens, one decode "
+        "step captured in a CUDA graph (eager off CUDA) and timed by triton.testing.do_bench; "
+        "every method on the same model and cache, beside its byte floor.",
+    )
+    t5.add_argument(
+        "--shapes", type=_csv, default=["llama2-7b", "llama3-8b"],
+        help="llama2-7b (MHA), llama3-8b (GQA), tiny (tests) (default llama2-7b,llama3-8b)",
+    )  # fmt: skip
+    ints = lambda s: [_positive_int(x) for x in _csv(s)]  # noqa: E731
+    t5.add_argument("--batches", type=ints, default=[1, 8, 16], help="default 1,8,16")
+    t5.add_argument(
+        "--contexts", type=ints, default=[4096, 16384, 32768], help="default 4096,16384,32768"
+    )
+    t5.add_argument(
+        "--methods", default="sdpa,dense,quest,prhs",
+        help="sdpa (transformers' attention), dense (prhs's dense kernel) or selectors, options "
+        "in brackets: prhs[tau=0.5;budget=512] (default sdpa,dense,quest,prhs)",
+    )  # fmt: skip
+    t5.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+        help="an option for every selector that has it (default budget=1024); repeatable",
+    )  # fmt: skip
+    t5.add_argument("--layers", type=_positive_int, default=None, help="override the depth")
+    t5.add_argument(
+        "--headroom", type=_positive_int, default=160,
+        help="decode positions past T the cache holds: the timed replays (default 160)",
+    )  # fmt: skip
+    t5.add_argument("--device", default=None, help="cuda (default when available), cuda:N, cpu")
+    t5.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="default bfloat16")
+    t5.add_argument("--seed", type=int, default=0, help="weights and K/V seed (default 0)")
+    t5.add_argument(
+        "--out", type=Path, default=Path("docs/results"),
+        help="root of the results folders; writes OUT/table5/ (default docs/results)",
+    )  # fmt: skip
+    t5.add_argument("--quiet", action="store_true", help="no progress lines")
+    t5.add_argument(
+        "--from-rows", type=_csv, default=None, metavar="DIR[,DIR...]",
+        help="measure nothing: join earlier table5 folders (one GPU; a later folder's point "
+        "replaces an earlier one's) and write OUT/table5/ from them",
+    )  # fmt: skip
+
+
+def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from prhs_core.registry import UnknownSelectorError
+    from prhs_eval.preflight import PreflightError, check_device
+    from prhs_eval.runner import parse_option_value
+    from prhs_eval.throughput import SHAPES, parse_methods
+
+    if args.from_rows:
+        return _table5_write(parser, args, None)
+    try:
+        unknown = [s for s in args.shapes if s not in SHAPES]
+        if unknown or not args.shapes:
+            raise UsageError(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+        common: dict[str, Any] = {"budget": 1024}
+        for item in args.options:
+            if "=" not in item or item.startswith("="):
+                raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
+            key, raw = item.split("=", 1)
+            common[key.strip()] = parse_option_value(raw)
+        methods = parse_methods(args.methods, common)
+        used = {k for m in methods for k in m.options}
+        unused = sorted(set(common) - used - {"budget"})
+        if unused:
+            raise UsageError(f"--set {unused[0]}: no method among {args.methods!r} has it")
+        for m in methods:
+            budget = m.options.get("budget")
+            if isinstance(budget, int) and budget >= min(args.contexts):
+                raise UsageError(
+                    f"{m.label}: budget {budget} >= context {min(args.contexts)}: that is dense "
+                    "(use longer --contexts or a smaller budget)"
+                )
+        if args.headroom < 16:
+            raise UsageError(f"--headroom must be at least 16, got {args.headroom}")
+        device = check_device(args.device)
+        if args.out.exists() and not args.out.is_dir():
+            raise UsageError(f"--out {str(args.out)!r} exists and is not a directory")
+    except (UsageError, UnknownSelectorError, PreflightError, TypeError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        parser.exit(2, f"prhs-eval table5: error: {message}\n")
+    import torch
+
+    from prhs_eval.tables import machine_info
+    from prhs_eval.throughput import decode_throughput
+
+    dtype = getattr(torch, args.dtype)
+    say = None if args.quiet else (lambda m: sys.stderr.write(m + "\n"))
+    points, contexts = [], []
+    for shape in args.shapes:
+        pts, ctx = decode_throughput(
+            shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
+            layers=args.layers, headroom=args.headroom, seed=args.seed, progress=say,
+        )  # fmt: skip
+        points += pts
+        contexts.append(ctx)
+    return _table5_write(parser, args, (points, contexts, machine_info(device), methods))
+
+
+def _table5_write(parser: argparse.ArgumentParser, args: argparse.Namespace, run: Any) -> int:
+    from prhs_eval.tables import write_table_folder
+    from prhs_eval.throughput import TABLE5_HEAD, load_points, table5_figure, table5_rows
+
+    if run is None:
+        try:
+            points, contexts, machine = load_points(args.from_rows)
+        except (OSError, ValueError, TypeError) as exc:
+            message = " ".join(str(exc).split())
+            parser.exit(2, f"prhs-eval table5: error: --from-rows: {message}\n")
+        labels = list(dict.fromkeys(p.method for p in points))
+    else:
+        points, contexts, machine, methods = run
+        labels = [m.label for m in methods]
+    if not contexts:
+        parser.exit(2, "prhs-eval table5: error: --from-rows: the folders record no run\n")
+    rows = table5_rows(points)
+    graphed = all(p.graph for p in points if not p.skipped)
+    notes = (
+        "Random weights and random K/V (a step reads the same bytes whatever they hold), "
+        "greedy decoding, one step "
+        + ("captured in a CUDA graph and timed by `triton.testing.do_bench` (median)"
+           if graphed else "run eagerly and timed by the wall clock (no CUDA here: not a "
+           "throughput figure)")
+        + ". `sdpa`: transformers' attention over the static cache; `dense`: prhs's dense "
+        "decode kernel; `× dense`: the best of the two over this row. Floor: weights + the "
+        "K/V and proxies the method reads per step (its own statistics), at the copy "
+        f"bandwidth measured in the run ({contexts[0]['copy_bandwidth_GBps']:.0f} GB/s). ρ̂: "
+        "the share of (row, KV head, layer) decisions that retrieved; random weights make "
+        "consecutive queries unlike each other, so CIS's reuse ratio here is not a real "
+        "model's."
+    )  # fmt: skip
+    config = {"command": "table5", "argv": sys.argv[1:], **vars(args), "out": str(args.out),
+              "methods": labels, "runs": contexts}  # fmt: skip
+    folder = write_table_folder(
+        args.out, "table5", title="Table V analog: end-to-end decode throughput",
+        head=TABLE5_HEAD, rows=rows, records=[p.as_dict() for p in points], config=config,
+        machine=machine, notes=notes,
+        figure=lambda path: table5_figure(points, path),
+    )  # fmt: skip
+    sys.stdout.write(_table(TABLE5_HEAD, rows) + f"\nwrote {folder}\n")
+    return 0
 
 
 def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -613,6 +762,8 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
         return 0
     if args.command == "calibrate":
         return _calibrate(parser, args)
+    if args.command == "table5":
+        return _table5(parser, args)
     if args.command in ("run", "compare"):
         from prhs_core.registry import UnknownSelectorError
         from prhs_eval.data import DataPackageNotFoundError

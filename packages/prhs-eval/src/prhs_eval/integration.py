@@ -41,6 +41,7 @@ is not supported.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,9 @@ class _CacheState:
     state: SelectorState
     plan: DecodePlan | None = None
     written: set[int] = field(default_factory=set)
+    slots: torch.Tensor | None = None
+    """``[B]`` the rows' state slots, on the device when steps are unchecked (a CUDA graph
+    cannot copy them from the host)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -155,22 +159,63 @@ def register_attention() -> None:
 
 
 def _row_bounds(
-    mask: torch.Tensor | None, batch: int, length: int, device: torch.device
+    mask: torch.Tensor | None, batch: int, length: int, device: torch.device, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(start [B], lens [B])`` of left-padded rows from a ``[B, T]`` validity mask."""
+    """``(start [B], lens [B])`` of each row's cached run from a ``[B, T]`` validity mask.
+
+    A row's tokens must be one contiguous run: at the end of the columns (a dynamic cache,
+    left-padded) or followed by unfilled capacity (a static cache). ``check`` reads the mask on
+    the host to verify that (a sync); without it nothing is read, so a decode step stays
+    capturable in a CUDA graph.
+    """
     if mask is None:
         lens = torch.full((batch,), length, dtype=torch.long, device=device)
         return torch.zeros_like(lens), lens
     valid = mask.to(torch.bool)
     lens = valid.sum(-1)
-    start = length - lens
-    expected = torch.arange(length, device=valid.device).view(1, -1) >= start.view(-1, 1)
-    if not bool((expected == valid).all()):
-        raise ValueError(
-            "prhs needs left-padded batches (each row's tokens contiguous at the end); "
-            "got an attention mask with holes or right padding"
-        )
+    # The first valid column (argmax of a bool row finds its first True); an empty row: 0.
+    start = valid.to(torch.uint8).argmax(-1)
+    if check:
+        pos = torch.arange(length, device=valid.device).view(1, -1)
+        expected = (pos >= start.view(-1, 1)) & (pos < (start + lens).view(-1, 1))
+        if not bool((expected == valid).all()):
+            raise ValueError(
+                "prhs needs each row's cached tokens contiguous (a left-padded batch, or a "
+                "static cache's filled prefix); got an attention mask with holes"
+            )
     return start, lens
+
+
+def _forget_on_reset(cache: Any) -> None:
+    """Make ``cache.reset()`` (what ``generate`` calls before reusing a static cache) drop the
+    prhs state stored on it, so the next prompt starts fresh without a device read."""
+    func = getattr(type(cache), "reset", None)  # the class's: holds no reference to the cache
+    if func is None or getattr(cache.__dict__.get("reset"), "_prhs_forgets", False):
+        return
+    # Weak: the cache holds this function, which must not keep the cache (and its K/V) alive.
+    ref = weakref.ref(cache)
+
+    def forgetting_reset(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        if target is None:  # pragma: no cover - the cache is gone
+            return None
+        if hasattr(target, _STATE_ATTR):
+            delattr(target, _STATE_ATTR)
+        return func(target, *args, **kwargs)
+
+    forgetting_reset._prhs_forgets = True  # type: ignore[attr-defined]
+    cache.reset = forgetting_reset
+
+
+def _query_length(args: tuple, kwargs: dict) -> int | None:
+    """Tokens in this forward (``input_ids`` or ``inputs_embeds``), ``None`` when unknown."""
+    for name in ("input_ids", "inputs_embeds"):
+        x = kwargs.get(name)
+        if isinstance(x, torch.Tensor) and x.ndim >= 2:
+            return int(x.shape[1])
+    if args and isinstance(args[0], torch.Tensor) and args[0].ndim >= 2:
+        return int(args[0].shape[1])
+    return None
 
 
 class PrhsRuntime:
@@ -193,9 +238,11 @@ class PrhsRuntime:
         selector: DecodeSelector,
         max_seq_len: int,
         checked: bool | None = None,
+        stats: bool = False,
     ) -> None:
         self.model = model
         self.checked = checked
+        self.stats = stats
         self.selector = selector
         self.spec = attention_spec(model.config)
         self.max_seq_len = max_seq_len
@@ -245,6 +292,7 @@ class PrhsRuntime:
             if getattr(layer.self_attn, "_prhs_runtime", None) is self:
                 del layer.self_attn._prhs_runtime
         self.model.set_attn_implementation(self._previous_impl or "sdpa")
+        self._cache = None  # the runtime must not keep a cache (and its K/V) alive
         self.enabled = False
 
     def __enter__(self) -> PrhsRuntime:
@@ -276,6 +324,33 @@ class PrhsRuntime:
         state = self.state_for(cache if cache is not None else self._cache)
         return state.nonfinite_count() if state is not None else 0
 
+    def attach(self, cache: Any, batch_size: int) -> SelectorState:
+        """Give ``cache``, filled without prhs (a static cache written by other means, or a
+        prompt run under another attention), its selector state now; returns it.
+
+        Decoding such a cache also creates the state, at its first step, but must then ask the
+        cache whether it is empty (a static cache keeps its length on the device: a sync).
+        After ``attach`` no decode step reads a device value, the first one included (it
+        copies the cached K/V into the selector's side caches).
+        """
+        if getattr(cache, _STATE_ATTR, None) is not None:
+            raise ValueError("this cache already has prhs state (cache.reset() drops it)")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        param = next(iter(self.model.parameters()))
+        layer = self._first_layer
+        layers = getattr(cache, "layers", None)
+        keys = getattr(layers[layer], "keys", None) if layers is not None else None
+        if isinstance(keys, torch.Tensor):
+            if keys.shape[0] != batch_size:
+                raise ValueError(
+                    f"batch_size {batch_size} does not match the cache's {keys.shape[0]} rows"
+                )
+            dtype, device = keys.dtype, keys.device
+        else:
+            dtype, device = param.dtype, param.device
+        return self._new_state(cache, batch_size, dtype, device).state
+
     def _new_state(
         self, cache: Any, batch: int, dtype: torch.dtype, device: torch.device
     ) -> _CacheState:
@@ -288,8 +363,10 @@ class PrhsRuntime:
         )
         state.pool.create(list(range(batch)))
         held = _CacheState(state)
+        held.slots = torch.arange(batch, device=None if self._checked(device) else device)
         if cache is not None:
             setattr(cache, _STATE_ATTR, held)
+            _forget_on_reset(cache)
         return held
 
     def _plan(
@@ -302,7 +379,7 @@ class PrhsRuntime:
                 held.state,
                 batch_size=batch,
                 scaling=scaling,
-                stats=bool(self.observers),
+                stats=self.stats or bool(self.observers),
                 checked=checked,
             )
             held.plan = plan
@@ -348,7 +425,15 @@ class PrhsRuntime:
     # -- hooks ------------------------------------------------------------------------------
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         past = kwargs.get("past_key_values")
-        self._fresh_prefill = past is None or past.get_seq_length() == 0
+        if past is None:
+            self._fresh_prefill = True
+        elif _query_length(args, kwargs) == 1 and getattr(past, _STATE_ATTR, None) is not None:
+            # Decoding a cache prhs already holds: no need to ask its length, which a static
+            # cache keeps on the device (reading it would sync and break graph capture).
+            # ``reset()`` drops the state (_forget_on_reset), so a new prompt is never missed.
+            self._fresh_prefill = False
+        else:
+            self._fresh_prefill = int(past.get_seq_length()) == 0
         self._rows = None
         self._prompt_rows = None
         mask = kwargs.get("attention_mask")
@@ -403,10 +488,18 @@ class PrhsRuntime:
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scale, **kwargs
             )
+        if tq > 1 and self._fresh_prefill and tk > tq:
+            # A static cache's prompt: its first tq columns hold it (left padding included),
+            # the rest is capacity. Attend over the prompt only, as a dynamic cache would.
+            key, value, tk = key[:, :, :tq], value[:, :, :tq], tq
+            if attention_mask is not None:
+                attention_mask = attention_mask[..., :tq]
         if layer == self._first_layer or self._rows is None:
-            # Every full layer of one forward shares the padding: find it (a host sync) once.
+            # Every full layer of one forward shares the padding: find it once (checked steps
+            # verify it on the host; unchecked ones read nothing).
             last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
-            self._rows = _row_bounds(last_row, b, tk, query.device)
+            check = tq > 1 or self._checked(query.device)
+            self._rows = _row_bounds(last_row, b, tk, query.device, check=check)
         start, lens = self._rows
         kv = ContiguousKV(key, value, lens.to(torch.int32), start.to(torch.int32))
         if tq > 1:
@@ -448,7 +541,7 @@ class PrhsRuntime:
             held = self._new_state(self._cache, b, key.dtype, query.device)
         plan = self._plan(held, b, scale, query.device)
         if layer == self._first_layer:
-            plan.update(lens.to(torch.int32), torch.arange(b))
+            plan.update(lens.to(torch.int32), held.slots)
         # The new token's K/V (or, on a cache prefilled without prhs, all of them).
         if layer in held.written:
             self._write_kv(held, layer, kv, (lens - 1).view(-1, 1))
@@ -466,8 +559,9 @@ class PrhsRuntime:
 
     def summary(self, cache: Any = None) -> dict[str, float]:
         """Running totals of the live (or given) cache's plan: decisions, retrievals, selected
-        positions, proxy bytes, ``retrieval_ratio`` (%) and ``avg_selected`` (needs an
-        observer, which switches statistics on; ``{}`` otherwise)."""
+        positions, proxy bytes, ``retrieval_ratio`` (%) and ``avg_selected`` (needs
+        ``enable(..., stats=True)`` or an observer, which switch statistics on; ``{}``
+        otherwise)."""
         plan = self.plan_for(cache if cache is not None else self._cache)
         return plan.summary() if plan is not None else {}
 
@@ -499,6 +593,7 @@ def enable(
     *,
     max_seq_len: int | None = None,
     checked: bool | None = None,
+    stats: bool = False,
     **options: Any,
 ) -> PrhsRuntime:
     """Make ``model`` decode (and, for PSAW/ETF/CPE, prefill) through a prhs selector.
@@ -516,6 +611,10 @@ def enable(
         Validate lengths and queries on the host at every decode step and raise on a non-finite
         query (``None``: on unless the model is on CUDA). Off, a non-finite query is skipped and
         counted (:meth:`PrhsRuntime.nonfinite_count`).
+    stats:
+        Keep the running totals of :meth:`PrhsRuntime.summary` (retrieval ratio, positions
+        and proxy bytes read) on the device, without an observer; a step that keeps them
+        can still be captured in a CUDA graph.
     **options:
         Config values for a named selector (``budget=128``, ``tau=0.9`` ...), validated before
         the model is touched.
@@ -548,7 +647,7 @@ def enable(
     register_attention()
     device = next(iter(model.parameters()), torch.empty(0)).device
     warm_up(device)  # Numba's one-time compile, here rather than inside the first decode step
-    runtime = PrhsRuntime(model, sel, max_seq_len, checked)
+    runtime = PrhsRuntime(model, sel, max_seq_len, checked, stats)
     runtime._install()
     model._prhs_runtime = runtime
     return runtime

@@ -572,7 +572,13 @@ class SampleLog:
 @functools.cache
 def git_commit(where: str | None = None) -> str | None:
     """``git rev-parse HEAD`` of the checkout holding ``where`` (default: this package), or
-    ``None`` when it is not in a git checkout (an installed wheel) or git is missing."""
+    ``None`` when it is not in a git checkout (an installed wheel) or git is missing.
+
+    ``PRHS_COMMIT`` in the environment wins: a copy of a working tree sent to another machine
+    keeps git metadata that no longer names what it holds."""
+    sent = os.environ.get("PRHS_COMMIT", "").strip()
+    if sent:
+        return sent
     folder = where if where is not None else str(Path(__file__).resolve().parent)
     try:
         done = subprocess.run(

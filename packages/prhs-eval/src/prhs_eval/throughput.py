@@ -1,0 +1,587 @@
+"""End-to-end decode throughput through the transformers integration (the paper's Table V).
+
+A model of a published shape with random weights (throughput does not depend on the weights'
+values), a transformers ``StaticCache`` holding ``B`` rows of ``T`` cached tokens (random K/V: a
+decode step reads the same bytes whatever they hold), and one decode step -- embedding, every
+layer, the LM head and the greedy token fed back as the next input -- captured in a CUDA graph
+and replayed. Each method runs on the same model and cache in the same process:
+
+- ``sdpa``: transformers' own attention over the static cache (it reads the whole capacity,
+  masked), the dense baseline users get from transformers;
+- ``dense``: prhs's dense selector (its decode kernel over each row's cached prefix only);
+- any registered selector (``prhs``, ``quest`` ...), options in brackets:
+  ``prhs[budget=1024;tau=0.5]``.
+
+Beside each point its **byte floor**: the weights plus the K/V (and the proxies: page bounds,
+the keys a retrieval scores) that method reads per step, as its own statistics count them,
+over the copy bandwidth measured in the same run. ``vs floor`` is the measured step time over
+that floor (1.0 is a step that only streams what it must).
+
+On CUDA a step is a graph replay timed by ``triton.testing.do_bench`` (median). Elsewhere the
+step runs eagerly and is timed by the wall clock (for tests and small checks; CPU figures are
+not throughput claims).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SHAPES",
+    "Method",
+    "ThroughputPoint",
+    "copy_bandwidth",
+    "decode_throughput",
+    "kv_bytes_per_token",
+    "model_config",
+    "parse_methods",
+    "random_model",
+    "weight_bytes",
+]
+
+#: Published model shapes (Llama-2-7B: multi-head attention; Llama-3-8B: grouped-query).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama2-7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0,
+    ),
+    "llama3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+    ),
+    # A small shape of the same family, for tests and CPU checks.
+    "tiny": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, rope_theta=10000.0,
+    ),
+}  # fmt: skip
+
+#: Baselines that are not registered selectors.
+SDPA = "sdpa"
+_METHOD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(.*)\])?$")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: ``name`` (``sdpa`` or a registered selector) and its options."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if not self.options:
+            return self.name
+        inner = ";".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}[{inner}]"
+
+
+def parse_methods(text: str, common: Mapping[str, Any] | None = None) -> list[Method]:
+    """``"sdpa,dense,prhs[tau=0.5;budget=512],quest"`` -> methods. ``common`` options (e.g.
+    ``budget``) go to every selector that has them, under its own bracketed ones."""
+    import prhs_selectors  # noqa: F401  (registers the selectors where no entry points exist)
+    from prhs_core.registry import selectors
+    from prhs_eval.runner import parse_option_value
+
+    methods: list[Method] = []
+    # Split on commas outside brackets.
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        m = _METHOD.match(part)
+        if m is None:
+            raise ValueError(
+                f"method {part!r}: expected NAME or NAME[KEY=VALUE;...], e.g. prhs[budget=512]"
+            )
+        name, inner = m.group(1), m.group(2)
+        opts: dict[str, Any] = {}
+        fields: set[str] = set()
+        if name != SDPA:
+            entry = selectors.get(name)  # UnknownSelectorError lists the known names
+            fields = set(entry.defaults())
+            for k, v in (common or {}).items():
+                if k in fields:
+                    opts[k] = v
+        for item in (inner or "").split(";"):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise ValueError(f"method {part!r}: option {item!r} is not KEY=VALUE")
+            k, v = (s.strip() for s in item.split("=", 1))
+            if name == SDPA or k not in fields:
+                known = ", ".join(sorted(fields)) or "none"
+                raise ValueError(
+                    f"method {part!r}: {name} has no option {k!r} (its options: {known})"
+                )
+            opts[k] = parse_option_value(v)
+        if name != SDPA:
+            selectors.create(name, **opts)  # a bad value fails here, before any model exists
+        methods.append(Method(name, opts))
+    if not methods:
+        raise ValueError("no methods given")
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a method is given twice: {labels}")
+    return methods
+
+
+def model_config(shape: str, *, layers: int | None = None, max_positions: int = 131072) -> Any:
+    """A ``LlamaConfig`` of one of :data:`SHAPES` (``layers`` overrides its depth)."""
+    from transformers import LlamaConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    kw = dict(SHAPES[shape])
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        kw["num_hidden_layers"] = layers
+    theta = kw.pop("rope_theta")
+    return LlamaConfig(
+        **kw,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=False,
+    )
+
+
+def random_model(config: Any, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A ``LlamaForCausalLM`` of ``config`` with N(0, 0.02) weights (norms at 1), in eval mode,
+    built directly on ``device`` (no host copy of billions of parameters)."""
+    from transformers import LlamaForCausalLM
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)  # the dtype first: no float32 copy
+    gen = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if device.type == "meta":
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if device.type != "meta":  # to_empty left the rotary frequencies uninitialised
+        with torch.device("cpu"):
+            rotary = type(model.model.rotary_emb)(config)
+        model.model.rotary_emb = rotary.to(device)
+    return model.eval()
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """K and V bytes one token takes over every layer."""
+    hkv = config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * hkv * d * torch.empty(0, dtype=dtype).element_size()
+
+
+def weight_bytes(model: Any, batch: int) -> int:
+    """Parameter bytes a decode step reads: every weight, but of the input embedding only the
+    ``batch`` rows it looks up (the LM head is read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    if emb is not model.get_output_embeddings().weight:
+        total -= emb.numel() * emb.element_size()
+        total += batch * emb.shape[1] * emb.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), measured now."""
+    n = nbytes // 2  # bfloat16 elements
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    else:
+        dst.copy_(src)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src)
+        ms = (time.perf_counter() - t0) / 3 * 1e3
+    return 2 * nbytes / (ms / 1e3)
+
+
+@dataclass
+class ThroughputPoint:
+    """One measured (shape, B, T, method) point."""
+
+    shape: str
+    batch: int
+    context: int
+    method: str
+    ms_per_step: float | None = None
+    tokens_per_s: float | None = None
+    floor_ms: float | None = None
+    vs_floor: float | None = None
+    speedup_vs_dense: float | None = None
+    weight_bytes: int | None = None
+    kv_bytes_per_step: float | None = None
+    retrieval_ratio: float | None = None
+    avg_selected: float | None = None
+    state_bytes: int | None = None
+    graph: bool = False
+    skipped: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> ThroughputPoint:
+        """The point a ``rows.jsonl`` line holds (unknown keys are an error)."""
+        names = {f for f in cls.__dataclass_fields__}
+        extra = sorted(set(row) - names)
+        if extra:
+            raise ValueError(f"not a table5 row: unknown fields {extra}")
+        return cls(**dict(row))
+
+
+def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
+    """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
+    measured in a later folder replaces the same (shape, B, T, method) of an earlier one
+    (a re-run of what ran out of memory). All must come from one GPU model."""
+    import json
+    from pathlib import Path
+
+    merged: dict[tuple, ThroughputPoint] = {}
+    runs: list[dict] = []
+    machine: dict = {}
+    for folder in map(Path, folders):
+        rows = folder / "rows.jsonl"
+        if not rows.is_file():
+            raise ValueError(f"{folder}: no rows.jsonl (not a table5 folder)")
+        mach = json.loads((folder / "machine.json").read_text(encoding="utf-8"))
+        if machine and mach.get("gpu") != machine.get("gpu"):
+            raise ValueError(
+                f"{folder} ran on {mach.get('gpu')!r}, an earlier folder on "
+                f"{machine.get('gpu')!r}: one table, one GPU"
+            )
+        machine = machine or mach
+        runs += json.loads((folder / "config.json").read_text(encoding="utf-8")).get("runs", [])
+        for line in rows.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                pt = ThroughputPoint.from_dict(json.loads(line))
+                key = (pt.shape, pt.batch, pt.context, pt.method)
+                if pt.skipped is None or key not in merged or merged[key].skipped:
+                    merged[key] = pt
+    order = {s: i for i, s in enumerate(SHAPES)}
+    points = sorted(merged.values(), key=lambda p: (order.get(p.shape, 99), p.context, p.batch))
+    # Keep each (B, T)'s methods in the order they ran.
+    return points, runs, machine
+
+
+def _static_cache(model: Any, batch: int, capacity: int, device: torch.device) -> Any:
+    from transformers import StaticCache
+
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=capacity)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    cache.early_initialization(batch, cfg.num_key_value_heads, d, dtype, device)
+    return cache
+
+
+def _fill(cache: Any, context: int, seed: int) -> None:
+    """Random K/V in every layer; the cache then holds ``context`` tokens per row."""
+    for i, layer in enumerate(cache.layers):
+        if layer.keys.device.type != "meta":
+            gen = torch.Generator(device=layer.keys.device).manual_seed(seed + i)
+            layer.keys.normal_(generator=gen)
+            layer.values.normal_(generator=gen)
+    _rewind(cache, context)
+
+
+def _rewind(cache: Any, context: int) -> None:
+    """Back to ``context`` cached tokens per row, prhs's state dropped (the next method starts
+    from the same cache)."""
+    for layer in cache.layers:
+        length = layer.cumulative_length
+        if isinstance(length, torch.Tensor):
+            length.fill_(context)
+        else:
+            layer.cumulative_length = context
+    if hasattr(cache, "_prhs_state"):
+        delattr(cache, "_prhs_state")
+
+
+def _step_fn(model: Any, cache: Any, tokens: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tokens.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+
+    return step
+
+
+def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tuple[float, bool]:
+    """(ms per step, whether a CUDA graph ran it). ``steps``: the replays allowed (the cache's
+    headroom); two eager warm-up steps come first."""
+    if device.type != "cuda":
+        step()
+        t0 = time.perf_counter()
+        n = max(1, steps - 1)
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) / n * 1e3, False
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()  # the first step after attach copies the cache into the side caches
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    est = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    # do_bench runs 5 estimation calls, then warmup/est and rep/est replays: stay in headroom.
+    budget = max(steps - 4 - 5, 4)
+    warm = max(1, budget // 8)
+    ms = do_bench(
+        graph.replay, warmup=warm * est, rep=(budget - warm) * est * 0.8, return_mode="median"
+    )
+    del graph
+    return float(ms), True
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()  # what a finished method left in reference cycles, before the next allocates
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(
+    model: Any,
+    config: Any,
+    cache: Any,
+    tokens: torch.Tensor,
+    shape: str,
+    b: int,
+    t: int,
+    m: Method,
+    capacity: int,
+    headroom: int,
+    bw: float,
+    device: torch.device,
+) -> ThroughputPoint:
+    """One method's point on a filled cache (a method that runs out of memory is skipped)."""
+    from prhs_eval.integration import enable
+
+    _rewind(cache, t)
+    p = ThroughputPoint(shape, b, t, m.label)
+    runtime = None
+    try:
+        if m.name != SDPA:
+            runtime = enable(
+                model, m.name, max_seq_len=capacity, checked=False, stats=True, **dict(m.options)
+            )
+            state = runtime.attach(cache, b)
+            p.state_bytes = sum(state.nbytes().values())
+        with torch.no_grad():
+            ms, graphed = _time_step(_step_fn(model, cache, tokens), device, headroom)
+        summary = runtime.summary(cache) if runtime is not None else {}
+    except torch.OutOfMemoryError:
+        p.skipped = "out of memory (its state and scratch on top of the K/V)"
+        return p
+    finally:
+        if runtime is not None:
+            runtime.disable()
+        _rewind(cache, t)
+        _free(device)
+    p.ms_per_step, p.graph = ms, graphed
+    p.tokens_per_s = b / (ms / 1e3)
+    p.weight_bytes = weight_bytes(model, b)
+    per_token = kv_bytes_per_token(config, next(model.parameters()).dtype)
+    if summary and summary.get("decisions"):
+        heads = config.num_key_value_heads * config.num_hidden_layers
+        steps_run = summary["decisions"] / (b * heads)
+        row_bytes = per_token // heads  # K and V of one position of one KV head
+        p.kv_bytes_per_step = (summary["selected"] * row_bytes + summary["proxy_bytes"]) / steps_run
+        p.retrieval_ratio = summary["retrieval_ratio"]
+        p.avg_selected = summary["avg_selected"]
+    else:  # sdpa: what dense must read, each row's cached tokens
+        p.kv_bytes_per_step = float(b * (t + headroom / 2) * per_token)
+    p.floor_ms = (p.weight_bytes + p.kv_bytes_per_step) / bw * 1e3
+    p.vs_floor = ms / p.floor_ms
+    return p
+
+
+def decode_throughput(
+    shape: str,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    methods: Sequence[Method],
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int | None = None,
+    headroom: int = 160,
+    memory_fraction: float = 0.9,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[ThroughputPoint], dict[str, Any]]:
+    """Measure every (B, T, method) point of one shape; returns the points and the run's
+    context (bandwidth, weight bytes, config).
+
+    A (B, T) whose weights, K/V and ``headroom`` decode positions do not fit in
+    ``memory_fraction`` of the device's memory is reported as skipped, not run.
+    """
+    device = torch.device(device)
+    if headroom < 16:
+        raise ValueError(f"headroom must be >= 16 decode positions, got {headroom}")
+    say = progress or (lambda _m: None)
+    config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
+    model = random_model(config, device, dtype, seed)
+    bw = copy_bandwidth(device)
+    per_token = kv_bytes_per_token(config, dtype)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    total_mem = (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    )
+    points: list[ThroughputPoint] = []
+    for t in contexts:
+        for b in batches:
+            capacity = t + headroom
+            need = params + b * capacity * per_token * 1.15  # side caches and scratch
+            if total_mem is not None and need > memory_fraction * total_mem:
+                why = f"K/V {b * capacity * per_token / 2**30:.0f} GiB + weights do not fit"
+                points += [ThroughputPoint(shape, b, t, m.label, skipped=why) for m in methods]
+                say(f"{shape} B{b} T{t}: skipped ({why})")
+                continue
+            try:
+                cache = _static_cache(model, b, capacity, device)
+                _fill(cache, t, seed)
+            except torch.OutOfMemoryError:
+                cache = None
+                _free(device)
+                why = "out of memory allocating the K/V"
+                points += [ThroughputPoint(shape, b, t, m.label, skipped=why) for m in methods]
+                say(f"{shape} B{b} T{t}: skipped ({why})")
+                continue
+            tokens = torch.zeros(b, 1, dtype=torch.long, device=device)
+            row = [
+                _measure(
+                    model, config, cache, tokens, shape, b, t, m, capacity, headroom, bw, device
+                )
+                for m in methods
+            ]
+            dense = [p.ms_per_step for p in row if p.ms_per_step and p.method in (SDPA, "dense")]
+            for p in row:
+                if dense and p.ms_per_step:
+                    p.speedup_vs_dense = min(dense) / p.ms_per_step
+                say(
+                    f"{shape} B{b} T{t} {p.method}: "
+                    + (f"skipped ({p.skipped})" if p.skipped else
+                       f"{p.ms_per_step:.3f} ms/step, {p.tokens_per_s:.0f} tok/s, "
+                       f"x{p.vs_floor:.2f} of floor, x{p.speedup_vs_dense or 0:.2f} dense")
+                )  # fmt: skip
+            points += row
+            del cache, tokens
+            _free(device)
+    context = {
+        "shape": shape,
+        "config": {k: v for k, v in SHAPES[shape].items()}
+        | ({"num_hidden_layers": layers} if layers else {}),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "copy_bandwidth_GBps": bw / 1e9,
+        "parameter_bytes": params,
+        "kv_bytes_per_token": per_token,
+        "headroom": headroom,
+        "methods": [m.label for m in methods],
+    }
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return points, context
+
+
+TABLE5_HEAD = (
+    "shape", "B", "T", "method", "ms/step", "tokens/s", "× dense", "floor ms", "× floor",
+    "ρ̂ %", "KV+proxy GB/step", "state GB",
+)  # fmt: skip
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
+    """The cells of :data:`TABLE5_HEAD`, one row per point (skipped points say why)."""
+    rows = []
+    for p in points:
+        if p.skipped:
+            rows.append([p.shape, str(p.batch), str(p.context), p.method, "skipped: " + p.skipped,
+                         *["—"] * (len(TABLE5_HEAD) - 5)])  # fmt: skip
+            continue
+        kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
+        state = None if p.state_bytes is None else p.state_bytes / 1e9
+        rows.append([
+            p.shape, str(p.batch), str(p.context), p.method, _f(p.ms_per_step, ".3f"),
+            _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
+            _f(p.vs_floor, ".2f"), _f(p.retrieval_ratio, ".1f"), _f(kv, ".2f"),
+            _f(state, ".2f"),
+        ])  # fmt: skip
+    return rows
+
+
+def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
+    """Tokens/s per (B, T) and method, one panel per shape, each bar's floor as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(p.shape for p in points))
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, 3.6 * len(shapes)), squeeze=False)
+    for ax, shape in zip(axes[:, 0], shapes, strict=True):
+        pts = [p for p in points if p.shape == shape and not p.skipped]
+        cells = list(dict.fromkeys((p.batch, p.context) for p in pts))
+        methods = list(dict.fromkeys(p.method for p in pts))
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            xs, ys, floors = [], [], []
+            for i, c in enumerate(cells):
+                hit = [p for p in pts if (p.batch, p.context) == c and p.method == m]
+                if hit and hit[0].tokens_per_s:
+                    xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                    ys.append(hit[0].tokens_per_s)
+                    floors.append(hit[0].batch / (hit[0].floor_ms / 1e3))
+            ax.bar(xs, ys, width=width * 0.95, label=m)
+            ax.scatter(xs, floors, marker="_", s=120, color="black", zorder=3)
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"B{b}·T{t // 1024}k" for b, t in cells])
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{shape}: decode throughput (black ticks: each bar's byte floor)")
+        ax.legend(fontsize=8, ncol=min(len(methods), 5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""The integration on a transformers ``StaticCache``: the same tokens as a dynamic cache, a
+decode step that reads no device value (so it can be captured in a CUDA graph), and the state's
+life on a cache that is reset and reused."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import prhs_eval
+from prhs_core.registry import selectors
+from prhs_eval.integration import _row_bounds
+
+SPARSE = [
+    ("oracle", {"budget": 12}),
+    ("prhs", {"budget": 12, "use_psaw": True, "use_etf": True}),
+    ("cis", {"budget": 12, "tau": 0.5}),
+    ("quest", {"budget": 16, "page_size": 4, "dense_layers": 0}),
+    ("h2o", {"budget": 24}),
+]
+
+
+def _batch(vocab: int, lengths: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), t), generator=g)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, t - n :] = 1
+        ids[i, : t - n] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _gen(model, batch, **kw):
+    with torch.no_grad():
+        return model.generate(**batch, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize(("name", "options"), SPARSE)
+@pytest.mark.parametrize("checked", [True, False])
+def test_static_cache_decodes_the_tokens_a_dynamic_cache_does(make_tiny, name, options, checked):
+    model = make_tiny("llama")
+    batch = _batch(128, [61, 40, 52])  # left-padded rows
+    dense = _gen(model, batch)
+    runtime = prhs_eval.enable(model, name, checked=checked, **options)
+    try:
+        dynamic = _gen(model, batch)
+        static = _gen(model, batch, cache_implementation="static")
+        again = _gen(model, batch, cache_implementation="static")  # the cache reset and reused
+    finally:
+        runtime.disable()
+    assert torch.equal(static, dynamic)
+    assert torch.equal(again, static)
+    if name in ("oracle", "prhs", "cis"):  # a budget far below the prompts: not dense
+        assert not torch.equal(dynamic, dense)
+
+
+def test_unchecked_decode_step_reads_no_device_value(make_tiny):
+    """Every selector's whole decode step (the model's forward included) on ``meta`` tensors:
+    any host read (``.item()``, ``bool(t)``, ``.tolist()``) raises there."""
+    from transformers import StaticCache
+
+    tiny = make_tiny("llama")
+    config = tiny.config
+    with torch.device("meta"):
+        model = type(tiny)(config).eval()
+    d = config.hidden_size // config.num_attention_heads
+    for name in selectors.names():
+        cache = StaticCache(config=config, max_cache_len=256)
+        cache.early_initialization(2, config.num_key_value_heads, d, torch.float32, "meta")
+        runtime = prhs_eval.enable(model, name, checked=False, stats=True, max_seq_len=256)
+        try:
+            runtime.attach(cache, 2)
+            ids = torch.zeros(2, 1, dtype=torch.long, device="meta")
+            with torch.no_grad():
+                for _ in range(2):  # the first step copies the cache in; the second is steady
+                    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        finally:
+            runtime.disable()
+        assert out.logits.shape == (2, 1, config.vocab_size), name
+
+
+def test_row_bounds_of_a_static_prefix_and_a_left_padded_row():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1]])
+    start, lens = _row_bounds(mask, 3, 6, torch.device("cpu"))
+    assert start.tolist() == [1, 0, 4]
+    assert lens.tolist() == [3, 5, 2]
+    with pytest.raises(ValueError, match="contiguous"):
+        _row_bounds(torch.tensor([[1, 0, 1, 0]]), 1, 4, torch.device("cpu"))
+    # Unchecked: nothing is verified (nor read).
+    start, lens = _row_bounds(torch.tensor([[1, 0, 1, 0]]), 1, 4, torch.device("cpu"), check=False)
+    assert lens.tolist() == [2]
+
+
+def test_stats_without_an_observer_and_attach_errors(make_tiny):
+    from transformers import StaticCache
+
+    model = make_tiny("llama")
+    batch = _batch(128, [50, 50])
+    runtime = prhs_eval.enable(model, "oracle", budget=8)
+    try:
+        _gen(model, batch)
+        assert runtime.summary() == {}  # no statistics asked for
+    finally:
+        runtime.disable()
+    runtime = prhs_eval.enable(model, "oracle", budget=8, stats=True)
+    try:
+        _gen(model, batch)
+        summary = runtime.summary()
+        assert summary["retrieval_ratio"] == 100.0
+        assert summary["avg_selected"] > 8
+        cfg = model.config
+        cache = StaticCache(config=cfg, max_cache_len=64)
+        cache.early_initialization(
+            2, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+            torch.float32, "cpu",
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="does not match"):
+            runtime.attach(cache, 3)
+        assert not hasattr(cache, "_prhs_state")  # the refused call changed nothing
+        runtime.attach(cache, 2)
+        with pytest.raises(ValueError, match="already has prhs state"):
+            runtime.attach(cache, 2)
+        cache.reset()
+        assert not hasattr(cache, "_prhs_state")
+        runtime.attach(cache, 2)
+    finally:
+        runtime.disable()
+
+
+def test_a_cache_is_freed_without_the_cycle_collector(make_tiny):
+    from transformers import StaticCache
+
+    model = make_tiny("llama")
+    cfg = model.config
+    runtime = prhs_eval.enable(model, "oracle", budget=8, max_seq_len=64)
+    cache = StaticCache(config=cfg, max_cache_len=64)
+    cache.early_initialization(
+        1, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+        torch.float32, "cpu",
+    )  # fmt: skip
+    runtime.attach(cache, 1)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    runtime.disable()
+    ref = weakref.ref(cache)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del cache
+        assert ref() is None  # no reference cycle keeps a cache's K/V alive
+    finally:
+        if enabled:
+            gc.enable()

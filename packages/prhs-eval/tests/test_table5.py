@@ -1,0 +1,138 @@
+"""``prhs-eval table5`` (end-to-end decode throughput) and the table folders it writes, on the
+tiny shape on the CPU (the H200 figures are in docs/results/table5/)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prhs_core.registry import UnknownSelectorError
+from prhs_eval.cli import main
+from prhs_eval.tables import markdown_table, rst_table, write_table_folder
+from prhs_eval.throughput import (
+    Method,
+    ThroughputPoint,
+    kv_bytes_per_token,
+    load_points,
+    model_config,
+    parse_methods,
+    random_model,
+    weight_bytes,
+)
+
+TINY = ["--shapes", "tiny", "--batches", "2", "--contexts", "256", "--headroom", "20",
+        "--dtype", "float32", "--device", "cpu", "--quiet", "--set", "budget=32"]  # fmt: skip
+
+
+def test_parse_methods_brackets_common_options_and_errors():
+    got = parse_methods("sdpa, dense,prhs[tau=0.5;rescore=0],quest", {"budget": 64})
+    assert got == [
+        Method("sdpa"),
+        Method("dense"),
+        Method("prhs", {"budget": 64, "tau": 0.5, "rescore": 0}),
+        Method("quest", {"budget": 64}),
+    ]
+    assert got[2].label == "prhs[budget=64;tau=0.5;rescore=0]"
+    with pytest.raises(ValueError, match="has no option 'nope'"):
+        parse_methods("prhs[nope=1]")
+    with pytest.raises(ValueError, match="sdpa has no option"):
+        parse_methods("sdpa[budget=4]")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_methods("dense,dense")
+    with pytest.raises(UnknownSelectorError):
+        parse_methods("fast")
+    with pytest.raises(ValueError):  # a bad value fails at parse time, not on the GPU
+        parse_methods("cis[budget=-3]")
+
+
+def test_byte_counts_of_the_published_shapes():
+    cfg = model_config("llama2-7b")
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 32 * 32 * 128 * 2  # 512 KiB
+    cfg3 = model_config("llama3-8b")
+    assert kv_bytes_per_token(cfg3, torch.bfloat16) == 2 * 32 * 8 * 128 * 2  # GQA: 128 KiB
+    model = random_model(cfg, "meta", torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == 6_738_415_616  # Llama-2-7B's parameter count
+    emb = 32000 * 4096
+    assert weight_bytes(model, 8) == (params - emb) * 2 + 8 * 4096 * 2
+
+
+def test_table5_writes_its_folder_and_joins_runs(tmp_path):
+    out = tmp_path / "results"
+    code = main(["table5", *TINY, "--methods", "sdpa,dense,oracle", "--out", str(out)])
+    assert code == 0
+    folder = out / "table5"
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"README.md", "table.rst", "rows.jsonl", "config.json", "machine.json",
+                     "table5.png"}  # fmt: skip
+    rows = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["sdpa", "dense", "oracle[budget=32]"]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0
+        assert r["vs_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
+        assert r["graph"] is False  # no CUDA here: eager, and the README says so
+    dense, oracle = rows[1], rows[2]
+    assert oracle["retrieval_ratio"] == 100.0
+    assert oracle["kv_bytes_per_step"] < dense["kv_bytes_per_step"]  # reads fewer positions
+    readme = (folder / "README.md").read_text()
+    assert "| tiny | 2 | 256 | oracle[budget=32] |" in readme and "not a throughput" in readme
+    assert "list-table" in (folder / "table.rst").read_text()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["methods"] == ["sdpa", "dense", "oracle[budget=32]"]
+    assert config["runs"][0]["shape"] == "tiny"
+
+    # A later folder's measured point replaces an earlier skipped one.
+    second = tmp_path / "second"
+    second.mkdir()
+    skipped = [dict(r, ms_per_step=None, skipped="out of memory") for r in rows]
+    with open(second / "rows.jsonl", "w") as f:
+        for r in skipped:
+            f.write(json.dumps(r) + "\n")
+    for name in ("config.json", "machine.json"):
+        (second / name).write_text((folder / name).read_text())
+    joined = tmp_path / "joined"
+    code = main(["table5", "--from-rows", f"{second},{folder}", "--out", str(joined)])
+    assert code == 0
+    again = [json.loads(x) for x in (joined / "table5" / "rows.jsonl").read_text().splitlines()]
+    assert all(r["skipped"] is None for r in again) and len(again) == 3
+    points, runs, machine = load_points([folder])
+    assert all(isinstance(p, ThroughputPoint) for p in points) and runs and machine
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shapes", "gpt5"], "unknown ['gpt5']"),
+        (["--methods", "prhs[budget=4096]", "--contexts", "1024"], "budget 4096 >= context 1024"),
+        (["--methods", "dense[nope=1]"], "has no option 'nope'"),
+        (["--set", "nope=2"], "no method"),
+        (["--headroom", "8"], "at least 16"),
+        (["--device", "cuda:7"], "cuda"),
+        (["--from-rows", "/nonexistent"], "no rows.jsonl"),
+    ],
+)
+def test_table5_bad_arguments_exit_2_before_any_work(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["table5", *argv, "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_table_folder_is_replaced_whole_and_checked(tmp_path):
+    common = dict(title="t", head=("a", "b"), records=[{"a": 1}], config={}, machine={})
+    folder = write_table_folder(tmp_path, "table2", rows=[["1", "x|y"]], **common)
+    (folder / "stale.txt").write_text("from an earlier run")
+    write_table_folder(tmp_path, "table2", rows=[["2", "z"]], **common)
+    assert not (folder / "stale.txt").exists()
+    assert "| 2 | z |" in (folder / "README.md").read_text()
+    with pytest.raises(ValueError, match="unknown table"):
+        write_table_folder(tmp_path, "table99", rows=[["1", "2"]], **common)
+    with pytest.raises(ValueError, match="header's 2 cells"):
+        write_table_folder(tmp_path, "table2", rows=[["1"]], **common)
+    with pytest.raises(ValueError, match="no rows"):
+        write_table_folder(tmp_path, "table2", rows=[], **common)
+    assert markdown_table(["h"], [["a|b"]]).splitlines()[2] == "| a\\|b |"
+    assert rst_table(["h", "i"], [["1", ""]]).count("* -") == 2
