@@ -23,7 +23,8 @@ extensions = [
 # reStructuredText only.
 source_suffix = {".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+# results/<table>/table.rst are written by the table commands and included by results.rst.
+exclude_patterns = ["_build", "results/*/*.rst"]
 
 # -- autodoc ---------------------------------------------------------------------------------
 autodoc_typehints = "description"

@@ -277,7 +277,9 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
                 f"{folder} ran on {mach.get('gpu')!r}, an earlier folder on "
                 f"{machine.get('gpu')!r}: one table, one GPU"
             )
-        machine = machine or mach
+        if machine and mach.get("prhs_commit") not in str(machine.get("prhs_commit")).split(", "):
+            machine["prhs_commit"] = f"{machine['prhs_commit']}, {mach.get('prhs_commit')}"
+        machine = machine or dict(mach)
         runs += json.loads((folder / "config.json").read_text(encoding="utf-8")).get("runs", [])
         for line in rows.read_text(encoding="utf-8").splitlines():
             if line.strip():
@@ -560,7 +562,7 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(p.shape for p in points))
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, 3.6 * len(shapes)), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, 4.2 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes, strict=True):
         pts = [p for p in points if p.shape == shape and not p.skipped]
         cells = list(dict.fromkeys((p.batch, p.context) for p in pts))
@@ -581,7 +583,8 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("tokens / s")
         ax.set_title(f"{shape}: decode throughput (black ticks: each bar's byte floor)")
-        ax.legend(fontsize=8, ncol=min(len(methods), 5))
+        ax.legend(fontsize=8, ncol=min(len(methods), 5), loc="upper center",
+                  bbox_to_anchor=(0.5, -0.12), frameon=False)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
