@@ -308,7 +308,152 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     cal.add_argument("--quiet", action="store_true", help="no progress lines")
     _add_table5(sub)
+    _add_paper_tables(sub)
     return parser
+
+
+_PAPER_HELP = {
+    "table2": "Table II analog: dense, H2O, Quest, HShare, oracle, CIS, certified CIS",
+    "table6": "Table VI analog: CIS against matched controls (HShare, DirectReuse, one tau)",
+    "table8": "Table VIII analog: PrHS hyperparameters (CIS s, tau, r; PSAW phi, alpha; ETF psi)",
+    "fig6": "Fig. 6 analog: accuracy, beta and oracle overlap against the budget",
+    "fig7": "Fig. 7 analog: routing-MI perturbation against its certificate B_MI",
+}
+
+
+def _add_paper_tables(sub: Any) -> None:
+    for name, text in _PAPER_HELP.items():
+        p = sub.add_parser(name, help=f"{text}; writes OUT/{name}/")
+        p.add_argument(
+            "--models", type=_csv, default=["smollm2-135m"],
+            help="embedded model names or directories (default smollm2-135m)",
+        )  # fmt: skip
+        p.add_argument("--tasks", type=_csv, default=None, help="override the table's tasks")
+        p.add_argument("--context-len", type=_positive_int, default=2048, help="default 2048")
+        p.add_argument("--samples", type=_positive_int, default=4, help="per task (default 4)")
+        if name in ("fig6", "fig7"):
+            p.add_argument(
+                "--budgets", type=lambda s: [_positive_int(x) for x in _csv(s)], default=None,
+                help="the budgets swept (default 32,64,128,256)",
+            )  # fmt: skip
+        else:
+            p.add_argument("--budget", type=_positive_int, default=128, help="k (default 128)")
+        p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
+        p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+        p.add_argument("--dtype", choices=_DTYPES, default=None, help="parameter dtype")
+        p.add_argument(
+            "--out", type=Path, default=Path("docs/results"),
+            help=f"root of the results folders; writes OUT/{name}/ (default docs/results)",
+        )  # fmt: skip
+        p.add_argument("--quiet", action="store_true", help="no progress lines")
+        what = "fig6's (its runs measure both) or fig7's" if name == "fig7" else f"{name}'s"
+        p.add_argument(
+            "--from-rows", type=lambda s: [Path(x) for x in _csv(s)], default=None,
+            metavar="FILE[,FILE...]",
+            help=f"run nothing: write the folder from earlier rows.jsonl files ({what}), "
+            "joined (e.g. one run per model)",
+        )  # fmt: skip
+
+
+def _paper_table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import dataclasses as dc
+    import json
+
+    from prhs_eval import preflight
+    from prhs_eval.models import ModelNotAvailableError, check_model_name
+    from prhs_eval.paper import PAPER_TABLES, fig7_cells, figure, run_paper_table, table_cells
+    from prhs_eval.tables import machine_info, write_table_folder
+    from prhs_eval.tasks import TASKS
+
+    name = args.command
+    table = PAPER_TABLES[name]
+    budgets = getattr(args, "budgets", None)
+    if budgets:
+        table = dc.replace(table, budgets=tuple(budgets))
+        PAPER_TABLES[name] = table  # this process only: the runner reads the sweep from it
+    records: list[dict[str, Any]] = []
+    from_rows = getattr(args, "from_rows", None)
+    try:
+        if from_rows is not None:
+            need = {"model", "label", "selector", "task", "accuracy", "b_mi", "delta_i_emp"}
+            for path in from_rows:
+                if not path.is_file():
+                    raise UsageError(f"--from-rows {str(path)!r} is not a file (a rows.jsonl)")
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    if line.strip():
+                        rec = json.loads(line)
+                        if not need <= set(rec):
+                            raise UsageError(
+                                f"--from-rows {str(path)!r}: not the rows of a paper table "
+                                f"(missing {sorted(need - set(rec))})"
+                            )
+                        records.append(rec)
+            if not records:
+                raise UsageError(f"--from-rows: {', '.join(map(str, from_rows))} hold no rows")
+        else:
+            tasks = tuple(args.tasks or table.tasks)
+            unknown = [t for t in tasks if t not in TASKS]
+            if unknown:
+                raise UsageError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
+            sweep = table.budgets or (args.budget,)
+            if max(sweep) >= args.context_len:
+                raise UsageError(
+                    f"budget {max(sweep)} >= context {args.context_len}: that is dense attention"
+                )
+            new_tokens = max(TASKS[t].max_new_tokens for t in tasks)
+            for model in args.models:
+                check_model_name(model)
+                preflight.check_hub_cached(model)
+                preflight.check_context(model, args.context_len, new_tokens)
+            preflight.check_task_contexts(tasks, args.context_len, args.samples, args.seed)
+            args.device = preflight.check_device(args.device)
+        if args.out.exists() and not args.out.is_dir():
+            raise UsageError(f"--out {str(args.out)!r} exists and is not a directory")
+    except (UsageError, ModelNotAvailableError, preflight.PreflightError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        parser.exit(2, f"prhs-eval {name}: error: {message}\n")
+    if from_rows is None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(disable=args.quiet, unit="run", dynamic_ncols=True, file=sys.stderr)
+
+        def progress(msg: str) -> None:
+            bar.set_postfix_str(msg, refresh=False)
+            bar.update(1)
+
+        try:
+            records = run_paper_table(
+                name, args.models, tasks=args.tasks, context_len=args.context_len,
+                samples=args.samples, budget=getattr(args, "budget", 128), seed=args.seed,
+                device=args.device, dtype=args.dtype, progress=progress,
+            )  # fmt: skip
+        finally:
+            bar.close()
+    head, rows = fig7_cells(records) if name == "fig7" else table_cells(name, records)
+    env = records[0].get("environment", {}) if records else {}
+    machine = {**machine_info(env.get("device")), **{k: v for k, v in env.items() if v}}
+    config = {"command": name, "argv": sys.argv[1:], **{k: (str(v) if isinstance(v, Path) else v)
+              for k, v in vars(args).items()}, "budgets": table.budgets}  # fmt: skip
+    draw = None
+    if name in ("fig6", "fig7"):
+        draw = lambda path: figure(name, records, path)  # noqa: E731
+    folder = write_table_folder(
+        args.out, name, title=table.title, head=head, rows=rows, records=records, config=config,
+        machine=machine, notes=table.note + _setting_note(records), figure=draw,
+    )  # fmt: skip
+    sys.stdout.write(_table(head, rows) + f"\nwrote {folder}\n")
+    return 0
+
+
+def _setting_note(records: Sequence[dict[str, Any]]) -> str:
+    if not records:
+        return ""
+    r = records[0]
+    return (
+        f"\n\nSetting: context {r['context_len']} tokens, {r['num_samples']} sample(s) per task, "
+        f"seed {r['seed']}; models {', '.join(dict.fromkeys(x['model'] for x in records))}; "
+        "every metric measured against dense attention on the same steps."
+    )
 
 
 def _add_table5(sub: Any) -> None:
@@ -764,6 +909,8 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
         return _calibrate(parser, args)
     if args.command == "table5":
         return _table5(parser, args)
+    if args.command in _PAPER_HELP:
+        return _paper_table(parser, args)
     if args.command in ("run", "compare"):
         from prhs_core.registry import UnknownSelectorError
         from prhs_eval.data import DataPackageNotFoundError
