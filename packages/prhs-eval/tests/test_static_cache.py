@@ -155,3 +155,27 @@ def test_a_cache_is_freed_without_the_cycle_collector(make_tiny):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_right_padded_prompts_are_scored_but_not_decoded(make_tiny):
+    """A right-padded batch (what a scorer of continuations sends) prefills as dense does;
+    decoding it is refused, as its new tokens would follow the padding."""
+    model = make_tiny("llama")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0  # row 1 right-padded
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=mask).logits
+    runtime = prhs_eval.enable(model, "oracle", budget=8)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        valid = mask.bool()
+        torch.testing.assert_close(out.logits[valid], dense[valid])
+        nxt = out.logits[:, -1:].argmax(-1)
+        with pytest.raises(ValueError, match="right-padded"), torch.no_grad():
+            model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                  past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+    finally:
+        runtime.disable()

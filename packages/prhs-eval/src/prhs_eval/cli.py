@@ -309,7 +309,57 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--quiet", action="store_true", help="no progress lines")
     _add_table5(sub)
     _add_paper_tables(sub)
+    t4 = sub.add_parser(
+        "table4",
+        help="Table IV analog: attention-operator latency from a kernels benchmark run "
+        "(benchmarks/scripts/kernels.py bench on a GPU); writes OUT/table4/",
+    )
+    t4.add_argument("--bench", type=Path, required=True, metavar="FILE",
+                    help="the bench.jsonl kernels.py bench wrote")  # fmt: skip
+    t4.add_argument("--out", type=Path, default=Path("docs/results"),
+                    help="root of the results folders (default docs/results)")  # fmt: skip
     return parser
+
+
+def _table4(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+
+    from prhs_eval.paper import table4_cells
+    from prhs_eval.tables import write_table_folder
+
+    try:
+        if not args.bench.is_file():
+            raise UsageError(f"--bench {str(args.bench)!r} is not a file")
+        rows = [json.loads(x) for x in args.bench.read_text(encoding="utf-8").splitlines()
+                if x.strip()]  # fmt: skip
+        head, cells = table4_cells(rows)
+        if not cells:
+            raise UsageError(f"--bench {str(args.bench)!r} holds no bench rows (kernels.py bench)")
+    except (UsageError, json.JSONDecodeError) as exc:
+        message = " ".join(str(exc).split())
+        parser.exit(2, f"prhs-eval table4: error: {message}\n")
+    meta = next((r for r in rows if r.get("part") == "machine"), {})
+    machine = {"gpu": meta.get("gpu"), "torch": meta.get("torch"), "triton": meta.get("triton"),
+               "python": meta.get("python"), "prhs_commit": meta.get("commit"),
+               "date": meta.get("date")}  # fmt: skip
+    bw = next((r["TB/s"] for r in rows if r.get("op") == "copy" and "TB/s" in r), None)
+    notes = (
+        "Every ms is the median of `triton.testing.do_bench` over a CUDA-graph replay of one "
+        "layer's op (B sequences, 32 query heads, head_dim 128, bf16). `× best dense`: the "
+        "fastest dense kernel of the shape over this op; `× floor`: over the bytes it must "
+        "read at the measured copy bandwidth"
+        + (f" ({bw:.2f} TB/s)" if bw else "")
+        + ". `cis step` / `quest step`: the whole selection and attention of a layer; a forced "
+        "ρ is the share of query groups made to jump each step (so CIS retrieves)."
+    )
+    config = {"command": "table4", "argv": sys.argv[1:], "bench": str(args.bench)}
+    folder = write_table_folder(
+        args.out, "table4", title="Table IV analog: attention-operator latency", head=head,
+        rows=cells, records=[r for r in rows if r.get("part") == "bench"], config=config,
+        machine=machine, notes=notes,
+    )  # fmt: skip
+    sys.stdout.write(_table(head, cells) + f"\nwrote {folder}\n")
+    return 0
 
 
 _PAPER_HELP = {
@@ -909,6 +959,8 @@ def main(argv: Sequence[str] | None = None, registry: Registry | None = None) ->
         return _calibrate(parser, args)
     if args.command == "table5":
         return _table5(parser, args)
+    if args.command == "table4":
+        return _table4(parser, args)
     if args.command in _PAPER_HELP:
         return _paper_table(parser, args)
     if args.command in ("run", "compare"):

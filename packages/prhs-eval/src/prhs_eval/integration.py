@@ -84,6 +84,8 @@ class _CacheState:
     state: SelectorState
     plan: DecodePlan | None = None
     written: set[int] = field(default_factory=set)
+    right_padded: bool = False
+    """The prompt was right-padded: it can be scored, not decoded."""
     slots: torch.Tensor | None = None
     """``[B]`` the rows' state slots, on the device when steps are unchecked (a CUDA graph
     cannot copy them from the host)."""
@@ -494,6 +496,13 @@ class PrhsRuntime:
             key, value, tk = key[:, :, :tq], value[:, :, :tq], tq
             if attention_mask is not None:
                 attention_mask = attention_mask[..., :tq]
+        if tq == 1 and layer == self._first_layer:
+            prompt = getattr(self._cache, _STATE_ATTR, None)
+            if prompt is not None and prompt.right_padded:
+                raise ValueError(
+                    "prhs cannot decode a right-padded batch (a new token would follow the "
+                    "padding); pad on the left (tokenizer.padding_side = 'left')"
+                )
         if layer == self._first_layer or self._rows is None:
             # Every full layer of one forward shares the padding: find it once (checked steps
             # verify it on the host; unchecked ones read nothing).
@@ -504,7 +513,11 @@ class PrhsRuntime:
         kv = ContiguousKV(key, value, lens.to(torch.int32), start.to(torch.int32))
         if tq > 1:
             if layer == self._first_layer and self._fresh_prefill:
-                self._new_state(self._cache, b, key.dtype, query.device)
+                fresh = self._new_state(self._cache, b, key.dtype, query.device)
+                # A prompt whose rows do not all end at its last column (right padding) can be
+                # scored, but not decoded: new tokens land after the padding. Known here, on
+                # the host, so a decode step need not look.
+                fresh.right_padded = bool(((start + lens) != tk).any())
             held = getattr(self._cache, _STATE_ATTR, None)
             if held is not None and self._fresh_prefill and tq == tk:
                 self._write_kv(held, layer, kv, self._all_positions(kv))

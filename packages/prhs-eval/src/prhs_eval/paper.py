@@ -85,8 +85,8 @@ def _table8(k: int) -> list[Variant]:
                                                        "r": r})
         )  # fmt: skip
     for phi, alpha in ((0.5, 1.0), (0.7, 1.0), (0.5, 2.0)):
-        rows.append(Variant(f"CPE +PSAW φ={phi} α={alpha}", "prhs",
-                            {"budget": k, "use_psaw": True, "phi": phi, "alpha": alpha}))  # fmt: skip
+        opts = {"budget": k, "use_psaw": True, "phi": phi, "alpha": alpha}
+        rows.append(Variant(f"CPE +PSAW φ={phi} α={alpha}", "prhs", opts))
     for psi in (0.5, 0.7):
         rows.append(
             Variant(f"CPE +ETF ψ={psi}", "prhs", {"budget": k, "use_etf": True, "psi": psi})
@@ -153,7 +153,7 @@ PAPER_TABLES: dict[str, PaperTable] = {
 
 def _variants(table: PaperTable, budget: int) -> list[tuple[Variant, int | None]]:
     if table.budgets is None:
-        return [(v, budget) for v in table.variants(budget)]
+        return [(v, budget if "budget" in v.options else None) for v in table.variants(budget)]
     out: list[tuple[Variant, int | None]] = []
     seen_dense = False
     for b in table.budgets:
@@ -349,7 +349,30 @@ def fig7_cells(records: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[li
             mine = [r for r in sparse if r["model"] == model and r["label"] == label
                     and math.isfinite(r["b_mi"]) and math.isfinite(r["delta_i_emp"])]  # fmt: skip
             held = sum(r["delta_i_emp"] <= r["b_mi"] for r in mine)
-            rows.append([model, label, str(len(mine)), _num(_mean([r["b_mi"] for r in mine]), ".4g"),
-                         _num(_mean([r["delta_i_emp"] for r in mine]), ".4g"),
-                         f"{held}/{len(mine)}"])  # fmt: skip
+            b_mi = _num(_mean([r["b_mi"] for r in mine]), ".4g")
+            d_i = _num(_mean([r["delta_i_emp"] for r in mine]), ".4g")
+            rows.append([model, label, str(len(mine)), b_mi, d_i, f"{held}/{len(mine)}"])
     return head, rows
+
+
+TABLE4_HEAD = ["B", "T", "Hkv", "op", "forced ρ", "ms", "× best dense", "× floor", "ρ̂ % measured"]
+
+
+def table4_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Table IV's cells from the ``bench`` rows ``benchmarks/scripts/kernels.py bench`` writes
+    (an op that failed on a shape keeps its row, with its error)."""
+    out = []
+    for r in rows:
+        if r.get("part") != "bench" or "B" not in r:
+            continue
+        base = [str(r["B"]), str(r["T"]), str(r.get("Hkv", "—")), str(r["op"]),
+                _num(r.get("rho"), ".2f")]  # fmt: skip
+        if "ms" not in r:
+            error = " ".join(str(r.get("error", "no time recorded")).split())[:80]
+            out.append([*base, f"failed: {error}", "—", "—", "—"])
+            continue
+        out.append([
+            *base, _num(r["ms"], ".4f"), _num(r.get("vs_best_dense"), ".2f"),
+            _num(r.get("vs_floor"), ".2f"), _num(r.get("rho_measured"), ".1f"),
+        ])  # fmt: skip
+    return list(TABLE4_HEAD), out
