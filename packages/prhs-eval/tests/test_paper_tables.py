@@ -85,6 +85,7 @@ def test_table4_renders_a_kernels_bench_file(tmp_path):
     ]  # fmt: skip
     bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     head, cells = table4_cells(rows)
+    assert head[3] == "op"
     assert len(cells) == 3 and cells[1][5].startswith("failed: RuntimeError")
     assert cells[2] == ["16", "65536", "8", "cis step", "0.20", "0.4841", "1.97", "3.52", "22.6"]
     assert main(["table4", "--bench", str(bench), "--out", str(tmp_path)]) == 0
