@@ -115,8 +115,9 @@ def test_bad_arguments_exit_2_before_any_work(tmp_path, capsys, argv, message):
 
 @pytest.mark.slow
 def test_table6_runs_on_smollm2_and_writes_its_folder(tmp_path):
-    code = main(["table6", "--tasks", "passkey", "--context-len", "512", "--samples", "1",
-                 "--budget", "32", "--device", "cpu", "--quiet", "--out", str(tmp_path)])  # fmt: skip
+    argv = ["table6", "--tasks", "passkey", "--context-len", "512", "--samples", "1",
+            "--budget", "32", "--device", "cpu", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+    code = main(argv)
     assert code == 0
     folder = tmp_path / "table6"
     recs = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
