@@ -18,6 +18,10 @@ Tasks (the registry :data:`TASKS`; :func:`make_samples` looks them up by name):
 ``variable_tracking``
     RULER's variable tracking: a chain ``VAR AAAAA = 12345``, ``VAR BBBBB = VAR AAAAA``, …
     hidden in filler; the answer is every variable that holds the value.
+``common_words``, ``frequent_words``
+    RULER's aggregation tasks (:mod:`~prhs_eval.tasks.aggregation`): the ten words a long
+    numbered list repeats most; the three most frequent words of a Zipf-distributed coded
+    text. The whole context is what must be counted.
 ``perplexity_text``
     Contiguous windows of exactly ``context_len`` tokens of the Bible or of a user text file,
     for perplexity (no question, no answer).
@@ -39,6 +43,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from prhs_eval.tasks.aggregation import (
+    common_words,
+    common_words_min_context,
+    frequent_words,
+    frequent_words_min_context,
+)
 from prhs_eval.tasks.base import (
     PromptTemplate,
     Sample,
@@ -79,6 +89,8 @@ __all__ = [
     "PromptTemplate",
     "Sample",
     "TaskSpec",
+    "common_words",
+    "frequent_words",
     "TokenizerLike",
     "check_haystack",
     "count_tokens",
@@ -125,6 +137,20 @@ TASKS: dict[str, TaskSpec] = {
             32,
         ),
         TaskSpec(
+            "common_words",
+            common_words,
+            "RULER common-word extraction: the 10 words a long numbered list repeats most",
+            "generation",
+            120,
+        ),
+        TaskSpec(
+            "frequent_words",
+            frequent_words,
+            "RULER frequent-word extraction: the 3 most frequent words of a Zipf coded text",
+            "generation",
+            50,
+        ),
+        TaskSpec(
             "perplexity",
             perplexity_text,
             "windows of exactly context_len tokens of the KJV Bible or a text file",
@@ -143,6 +169,24 @@ _NEEDLE_TASKS: dict[str, Callable[..., NeedleTask]] = {
     "niah_multikey": niah_multikey_task,
     "niah_multivalue": niah_multivalue_task,
     "variable_tracking": variable_tracking_task,
+}
+
+
+# The aggregation tasks' minimum contexts: each takes the tokenizer and the task's parameters.
+def _cwe_min(tokenizer: TokenizerLike, **args: Any) -> int:
+    return common_words_min_context(
+        tokenizer, num_common=args["num_common"], freq_common=args["freq_common"],
+        freq_uncommon=args["freq_uncommon"],
+    )  # fmt: skip
+
+
+def _fwe_min(tokenizer: TokenizerLike, **args: Any) -> int:
+    return frequent_words_min_context(tokenizer)
+
+
+_AGGREGATION_MIN: dict[str, Callable[..., int]] = {
+    "common_words": _cwe_min,
+    "frequent_words": _fwe_min,
 }
 
 
@@ -242,6 +286,8 @@ def min_context(task: str, *, tokenizer: TokenizerLike | None = None, **options:
     check_common(1, num_samples, seed, args.get("max_new_tokens"))
     if TASKS[task].kind == "perplexity":
         return 1
+    if task in _AGGREGATION_MIN:
+        return _AGGREGATION_MIN[task](tokenizer or _WordCounter(), **args)
     factory = _NEEDLE_TASKS.get(task)
     if factory is None:
         raise ValueError(f"min_context() does not know how task {task!r} builds its prompts")
