@@ -106,8 +106,13 @@ def _cwe_prompt(words: list[str], num: int) -> str:
     return f"{CWE_INTRO}\n{listing}\n{CWE_QUESTION.format(num=num)}"
 
 
-def common_words_min_context(tokenizer: TokenizerLike, *, num_common: int = 10,
-                             freq_common: int | None = None, freq_uncommon: int = 3) -> int:  # fmt: skip
+def common_words_min_context(
+    tokenizer: TokenizerLike,
+    *,
+    num_common: int = 10,
+    freq_common: int | None = None,
+    freq_uncommon: int = 3,
+) -> int:
     """Tokens of the instructions, question and the common words alone (no other word), at
     ``freq_common`` (default: the least the task allows, ``freq_uncommon + 1``)."""
     if freq_common is None:
