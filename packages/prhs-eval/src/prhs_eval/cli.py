@@ -10,6 +10,11 @@
 - ``prhs-eval compare``: several selectors on identical inputs. With no arguments it compares
   dense, oracle, prhs, quest, h2o and streaming on SmolLM2-135M, passkey and NIAH at about
   4k tokens, a few samples each.
+- ``prhs-eval table2 | table6 | table8 | fig6 | fig7``: the paper's accuracy tables and
+  figures on the offline models (:mod:`prhs_eval.paper`); ``table4``: the kernel latency table
+  from a kernels benchmark file; ``table5``: end-to-end decode throughput
+  (:mod:`prhs_eval.throughput`). Each writes ``OUT/<name>/`` (:mod:`prhs_eval.tables`);
+  ``--from-rows`` rewrites a folder from earlier rows without running anything.
 
 Both ``run`` and ``compare`` print a table, and write ``results.jsonl``, ``results.csv`` and
 ``results.png`` (accuracy and δ against budget) into ``--out``. Every argument is checked, and
