@@ -34,6 +34,13 @@ What it installs (transformers 5.x):
 On the CPU the plan is *checked* (values validated on the host, a non-finite query raises); on
 CUDA it is not, and a non-finite query is skipped and counted (``runtime.nonfinite_count()``).
 
+Dynamic and static caches both work (``generate(..., cache_implementation="static")``). An
+unchecked decode step reads no device value on the host, so a whole step of the model can be
+captured in a CUDA graph; :meth:`PrhsRuntime.attach` gives a cache filled by other means its
+state without a device read, and ``enable(..., stats=True)`` keeps the totals on the device
+without an observer. A right-padded prompt (a scorer's batch) is prefilled as dense would, and
+refused at decode.
+
 Supported families: Llama (SmolLM2), Qwen2 and Gemma3. Anything else raises
 :class:`UnsupportedModelError` before any change is made. Beam search (which reorders cache rows)
 is not supported.
