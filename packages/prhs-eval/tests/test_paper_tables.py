@@ -97,7 +97,8 @@ def test_table4_renders_a_kernels_bench_file(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["table2", "--tasks", "gsm8k"], "unknown task(s) ['gsm8k']"),
+        (["table2", "--tasks", "mmlu"], "unknown task(s) ['mmlu']"),
+        (["table2", "--tasks", "gsm8k"], "reads a local file"),
         (["table2", "--budget", "4096", "--context-len", "2048"], "budget 4096 >= context 2048"),
         (["fig6", "--budgets", "64,4096", "--context-len", "2048"], "budget 4096"),
         (["table6", "--models", "gpt-17"], "gpt-17"),

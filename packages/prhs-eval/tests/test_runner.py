@@ -25,6 +25,8 @@ def test_selector_spec_validates_on_creation():
 
 def test_compare_rejects_unknown_tasks_and_options_before_work(smollm2):
     with pytest.raises(ValueError, match="unknown task"):
+        compare(smollm2, [SelectorSpec("dense")], ["mmlu"], context_len=100, num_samples=1)
+    with pytest.raises(ValueError, match="gsm8k reads a local file"):
         compare(smollm2, [SelectorSpec("dense")], ["gsm8k"], context_len=100, num_samples=1)
     with pytest.raises(ValueError, match="takes the option"):
         compare(

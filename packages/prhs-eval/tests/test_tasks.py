@@ -27,8 +27,9 @@ from prhs_eval.tasks import (
 )
 from prhs_eval.tasks import haystack as haystack_module
 
-# The needle tasks (RULER's aggregation tasks have no haystack: test_tasks_aggregation.py).
-AGGREGATION_TASKS = ("common_words", "frequent_words")
+# The needle tasks (RULER's aggregation tasks have no haystack: test_tasks_aggregation.py; the
+# benchmark-file tasks need a file: test_tasks_benchmarks.py).
+AGGREGATION_TASKS = ("common_words", "frequent_words", "gsm8k", "longbench_v2")
 GENERATION_TASKS = [
     name for name, spec in TASKS.items() if spec.kind == "generation" and name not in
     AGGREGATION_TASKS
@@ -168,6 +169,8 @@ def test_registry_lists_every_task_with_its_defaults():
         "variable_tracking",
         "common_words",
         "frequent_words",
+        "gsm8k",
+        "longbench_v2",
         "perplexity",
     }
     for name, spec in TASKS.items():

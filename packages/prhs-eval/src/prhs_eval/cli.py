@@ -179,6 +179,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "UTF-8 text file of your own",
     )
     p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="gsm8k / longbench_v2: the benchmark's local file (GSM8K's test.jsonl, LongBench "
+        "v2's data.json)",
+    )
+    p.add_argument(
         "--set",
         dest="options",
         action="append",
@@ -450,6 +457,14 @@ def _paper_table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             unknown = [t for t in tasks if t not in TASKS]
             if unknown:
                 raise UsageError(f"unknown task(s) {unknown}; known tasks: {', '.join(TASKS)}")
+            from prhs_eval.tasks import FILE_TASKS
+
+            files = [t for t in tasks if t in FILE_TASKS]
+            if files:
+                raise UsageError(
+                    f"{files[0]} reads a local file, which the paper tables do not take: run it "
+                    "with `prhs-eval compare --tasks ... --data PATH`"
+                )
             sweep = table.budgets or (args.budget,)
             if max(sweep) >= args.context_len:
                 raise UsageError(
@@ -836,7 +851,20 @@ def _check_budgets(specs: Sequence[Any], context_len: int) -> None:
 
 def _check_files(args: argparse.Namespace) -> None:
     from prhs_eval.preflight import check_text_file, check_text_long_enough
-    from prhs_eval.tasks import HAYSTACKS, check_haystack
+    from prhs_eval.tasks import FILE_TASKS, HAYSTACKS, check_haystack
+
+    file_tasks = [t for t in args.tasks if t in FILE_TASKS]
+    if args.data is not None:
+        if not file_tasks:
+            raise UsageError(f"--data is for the tasks that read a file ({', '.join(FILE_TASKS)})")
+        if len(file_tasks) > 1:
+            raise UsageError(
+                f"--data names one file, but {file_tasks} each read their own: run them apart"
+            )
+        if not Path(args.data).is_file():
+            raise UsageError(f"--data {args.data!r} is not a file")
+    elif file_tasks:
+        raise UsageError(f"{file_tasks[0]} reads the benchmark's local file: give --data PATH")
 
     if args.text is not None:
         from prhs_eval.tasks.perplexity import PERPLEXITY_TEXTS

@@ -74,6 +74,8 @@ def evaluate(args: argparse.Namespace, specs: Sequence[Any]) -> int:
         task_options["haystack"] = args.haystack
     if args.text is not None:
         task_options["source"] = str(args.text)
+    if getattr(args, "data", None) is not None:
+        task_options["data"] = str(args.data)
     common: dict[str, Any] = dict(
         context_len=args.context_len,
         num_samples=args.samples,

@@ -22,6 +22,10 @@ Tasks (the registry :data:`TASKS`; :func:`make_samples` looks them up by name):
     RULER's aggregation tasks (:mod:`~prhs_eval.tasks.aggregation`): the ten words a long
     numbered list repeats most; the three most frequent words of a Zipf-distributed coded
     text. The whole context is what must be counted.
+``gsm8k``, ``longbench_v2``
+    Public benchmarks from local files (:mod:`~prhs_eval.tasks.benchmarks`, ``data=PATH``):
+    a GSM8K problem after solved ones that fill the context, a LongBench v2 question with its
+    context cut in the middle to fit; scored as the benchmarks score.
 ``perplexity_text``
     Contiguous windows of exactly ``context_len`` tokens of the Bible or of a user text file,
     for perplexity (no question, no answer).
@@ -60,6 +64,7 @@ from prhs_eval.tasks.base import (
     score,
     token_ids,
 )
+from prhs_eval.tasks.benchmarks import gsm8k, longbench_v2
 from prhs_eval.tasks.haystack import (
     FILLER_SENTENCES,
     HAYSTACKS,
@@ -151,6 +156,20 @@ TASKS: dict[str, TaskSpec] = {
             50,
         ),
         TaskSpec(
+            "gsm8k",
+            gsm8k,
+            "GSM8K from --data test.jsonl: a problem after solved ones filling the context",
+            "generation",
+            256,
+        ),
+        TaskSpec(
+            "longbench_v2",
+            longbench_v2,
+            "LongBench v2 from --data data.json: 4-choice questions, contexts cut to fit",
+            "generation",
+            32,
+        ),
+        TaskSpec(
             "perplexity",
             perplexity_text,
             "windows of exactly context_len tokens of the KJV Bible or a text file",
@@ -183,6 +202,9 @@ def _cwe_min(tokenizer: TokenizerLike, **args: Any) -> int:
 def _fwe_min(tokenizer: TokenizerLike, **args: Any) -> int:
     return frequent_words_min_context(tokenizer)
 
+
+#: Tasks that read a public benchmark's local file (``data=``, ``--data``).
+FILE_TASKS = ("gsm8k", "longbench_v2")
 
 _AGGREGATION_MIN: dict[str, Callable[..., int]] = {
     "common_words": _cwe_min,
@@ -284,8 +306,8 @@ def min_context(task: str, *, tokenizer: TokenizerLike | None = None, **options:
         args.pop(name, None)
     seed, num_samples = args.pop("seed"), args["num_samples"]
     check_common(1, num_samples, seed, args.get("max_new_tokens"))
-    if TASKS[task].kind == "perplexity":
-        return 1
+    if TASKS[task].kind == "perplexity" or task in FILE_TASKS:
+        return 1  # a file task's generator checks its prompts against context_len itself
     if task in _AGGREGATION_MIN:
         return _AGGREGATION_MIN[task](tokenizer or _WordCounter(), **args)
     factory = _NEEDLE_TASKS.get(task)

@@ -215,7 +215,9 @@ class TaskSpec:
 
 
 def score(sample: Sample, completion: str) -> float:
-    """RULER's string match: the fraction of ``sample.answers`` found in ``completion``.
+    """RULER's string match: the fraction of ``sample.answers`` found in ``completion``; a
+    public benchmark's sample (``meta["scorer"]``) is scored its own way instead (GSM8K's
+    flexible extraction, LongBench v2's answer letter).
 
     Matching is case-insensitive, on whitespace-stripped strings, and by substring (an answer
     anywhere in the completion counts).
@@ -242,6 +244,15 @@ def score(sample: Sample, completion: str) -> float:
             f"sample of task {sample.task!r} has no answers to match (perplexity samples are "
             f"scored by log-likelihood, not by score())"
         )
+    scorer = sample.meta.get("scorer")
+    if scorer is not None:  # a public benchmark's own scoring (prhs_eval.tasks.benchmarks)
+        from prhs_eval import scoring
+
+        if scorer == "gsm8k":
+            return scoring.gsm8k_flexible(completion, str(sample.meta["answer"]))
+        if scorer == "longbench_v2":
+            return float(scoring.longbench_v2_choice(completion) == sample.answers[0])
+        raise ValueError(f"sample of task {sample.task!r} names an unknown scorer {scorer!r}")
     pred = completion.strip().lower()
     hits = sum(1 for a in sample.answers if a.strip().lower() in pred)
     return hits / len(sample.answers)

@@ -1,0 +1,160 @@
+"""Public benchmarks as ``compare`` tasks, from local files (``--data PATH``).
+
+``gsm8k``
+    A GSM8K test problem after as many solved problems of the same file (their worked answers
+    ending in ``#### N``) as fill ``context_len`` tokens: many-shot, so the prompt is long and a
+    selector has something to choose from. Scored by GSM8K's flexible extraction (the
+    completion's last number); ``meta["strict"]`` the strict match.
+``longbench_v2``
+    A LongBench v2 question in the benchmark's zero-shot prompt, its context cut in the middle
+    (as the benchmark's own script does) to fit ``context_len`` tokens. Scored by the letter the
+    completion gives.
+
+Samples are drawn by a seeded permutation of the file's items; the files are read by
+:mod:`prhs_eval.scoring` (the same formats). A sample's scorer is named in ``meta["scorer"]``
+and applied by :func:`prhs_eval.tasks.score`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prhs_eval.tasks.base import (
+    Sample,
+    TokenizerLike,
+    check_common,
+    count_tokens,
+    task_rng,
+)
+
+__all__ = ["gsm8k", "longbench_v2"]
+
+
+def _check_data(task: str, data: object) -> str:
+    if data is None:
+        raise ValueError(f"{task} reads a local file: give its path (data=..., --data PATH)")
+    if not isinstance(data, str | os.PathLike):
+        raise ValueError(f"{task}: data must be a path, got {data!r}")
+    if not os.path.isfile(data):
+        raise ValueError(f"{task}: data file {str(data)!r} does not exist")
+    return str(data)
+
+
+def _gsm8k_block(question: str, answer: str | None) -> str:
+    return f"Question: {question}\nAnswer:" + (f" {answer}\n\n" if answer is not None else "")
+
+
+def gsm8k(
+    tokenizer: TokenizerLike,
+    *,
+    context_len: int,
+    num_samples: int,
+    seed: int,
+    data: str | os.PathLike[str] | None = None,
+    max_new_tokens: int | None = None,
+) -> list[Sample]:
+    """Many-shot GSM8K from ``data`` (its ``test.jsonl``); ``max_new_tokens`` default 256."""
+    from prhs_eval.scoring import read_gsm8k
+
+    check_common(context_len, num_samples, seed, max_new_tokens)
+    problems = read_gsm8k(_check_data("gsm8k", data))
+    if len(problems) < num_samples + 1:
+        raise ValueError(
+            f"gsm8k: {len(problems)} problems in {str(data)!r}; {num_samples} samples need at "
+            f"least {num_samples + 1} (each one's shots come from the others)"
+        )
+    order = task_rng(seed, "gsm8k").permutation(len(problems))
+    out = []
+    for i in range(num_samples):
+        target = problems[int(order[i])]
+        question = _gsm8k_block(target.question, None)
+        shots: list[str] = []
+        used = count_tokens(tokenizer, question)
+        if used > context_len:
+            raise ValueError(
+                f"context_len={context_len} is too small for gsm8k: sample {i}'s question alone "
+                f"takes {used} tokens"
+            )
+        for j in order[num_samples:]:
+            p = problems[int(j)]
+            block = _gsm8k_block(p.question, p.answer)
+            n = count_tokens(tokenizer, block)
+            if used + n > context_len:
+                continue  # a shorter one may still fit
+            shots.append(block)
+            used += n
+        prompt = "".join(shots) + question
+        out.append(Sample("gsm8k", i, prompt, (target.target,), count_tokens(tokenizer, prompt),
+                          max_new_tokens or 256,
+                          {"seed": seed, "scorer": "gsm8k", "answer": target.answer,
+                           "shots": len(shots)}))  # fmt: skip
+    return out
+
+
+def longbench_v2(
+    tokenizer: TokenizerLike,
+    *,
+    context_len: int,
+    num_samples: int,
+    seed: int,
+    data: str | os.PathLike[str] | None = None,
+    max_new_tokens: int | None = None,
+) -> list[Sample]:
+    """LongBench v2 from ``data`` (its ``data.json``), contexts cut in the middle to fit;
+    ``max_new_tokens`` default 32 (the answer sentence, no chain of thought)."""
+    from prhs_eval.scoring import longbench_v2_prompt, read_longbench_v2
+
+    check_common(context_len, num_samples, seed, max_new_tokens)
+    items = read_longbench_v2(_check_data("longbench_v2", data))
+    if len(items) < num_samples:
+        raise ValueError(
+            f"longbench_v2: {len(items)} items in {str(data)!r}, {num_samples} samples asked"
+        )
+    order = task_rng(seed, "longbench_v2").permutation(len(items))
+    out = []
+    for i in range(num_samples):
+        item = items[int(order[i])]
+        bare = count_tokens(tokenizer, longbench_v2_prompt(_with_context(item, "")))
+        room = context_len - bare
+        if room < 2:
+            raise ValueError(
+                f"context_len={context_len} is too small for longbench_v2: sample {i}'s prompt "
+                f"without its context takes {bare} tokens"
+            )
+        context = _cut_middle(tokenizer, item.context, room)
+        prompt = longbench_v2_prompt(_with_context(item, context))
+        while count_tokens(tokenizer, prompt) > context_len and room > 2:
+            room -= max(1, room // 100)  # a cut can merge tokens across its seam
+            context = _cut_middle(tokenizer, item.context, room)
+            prompt = longbench_v2_prompt(_with_context(item, context))
+        out.append(Sample("longbench_v2", i, prompt, (item.answer,),
+                          count_tokens(tokenizer, prompt), max_new_tokens or 32,
+                          {"seed": seed, "scorer": "longbench_v2", "id": item.id,
+                           "difficulty": item.difficulty, "length": item.length,
+                           "cut": context != item.context}))  # fmt: skip
+    return out
+
+
+def _with_context(item, context: str):
+    from dataclasses import replace
+
+    return replace(item, context=context)
+
+
+def _cut_middle(tokenizer: TokenizerLike, text: str, max_tokens: int) -> str:
+    """``text`` with its middle removed so it keeps at most ``max_tokens`` tokens (half from
+    each end), as LongBench v2's script truncates; unchanged when it fits."""
+    from prhs_eval.tasks.base import _encode
+
+    ids = _encode(tokenizer, text)
+    if len(ids) <= max_tokens:
+        return text
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:  # a tokenizer of whitespace words: cut words
+        words = text.split()
+        half = max_tokens // 2
+        return " ".join(words[:half] + words[len(words) - (max_tokens - half) :])
+    half = max_tokens // 2
+    head = decode(ids[:half], skip_special_tokens=True)
+    tail = decode(ids[len(ids) - (max_tokens - half) :], skip_special_tokens=True)
+    return head + tail
