@@ -316,14 +316,18 @@ def figure(name: str, records: Sequence[Mapping[str, Any]], path: Any) -> None:
         dense_acc = {
             (r["model"], r["task"]): r["accuracy"] for r in records if r["selector"] == "dense"
         }
-        for model in models:
-            mine = [r for r in sparse if r["model"] == model
-                    and math.isfinite(r["b_mi"]) and math.isfinite(r["delta_i_emp"])]  # fmt: skip
-            axes[0].scatter([r["b_mi"] for r in mine], [r["delta_i_emp"] for r in mine],
-                            s=14, label=model)  # fmt: skip
-            drops = [(r["delta_i_emp"], dense_acc.get((model, r["task"]), math.nan) - r["accuracy"])
-                     for r in mine]  # fmt: skip
-            axes[1].scatter([d[0] for d in drops], [d[1] for d in drops], s=14, label=model)
+        markers = "osD^v<>"
+        for mi, model in enumerate(models):
+            for label in dict.fromkeys(r["label"] for r in sparse if r["model"] == model):
+                ok = [r for r in sparse if math.isfinite(r["b_mi"] + r["delta_i_emp"])]
+                mine = [r for r in ok if r["model"] == model and r["label"] == label]
+                name = label if len(models) == 1 else f"{model}: {label}"
+                marker = markers[mi % len(markers)]
+                axes[0].scatter([r["b_mi"] for r in mine], [r["delta_i_emp"] for r in mine],
+                                s=16, marker=marker, label=name)  # fmt: skip
+                drops = [dense_acc.get((model, r["task"]), math.nan) - r["accuracy"] for r in mine]
+                axes[1].scatter([r["delta_i_emp"] for r in mine], drops, s=16, marker=marker,
+                                label=name)  # fmt: skip
         lo = min(
             [r["b_mi"] for r in sparse if math.isfinite(r["b_mi"]) and r["b_mi"] > 0] or [1e-4]
         )
