@@ -58,11 +58,11 @@ def machine_info(device: Any = None) -> dict[str, Any]:
 
     info: dict[str, Any] = {**host_environment(), "torch": torch.__version__}
     info["transformers"] = transformers.__version__
-    try:
-        import triton
+    try:  # its version only: prhs-eval never imports Triton itself
+        from importlib.metadata import PackageNotFoundError, version
 
-        info["triton"] = triton.__version__
-    except ImportError:
+        info["triton"] = version("triton")
+    except PackageNotFoundError:
         info["triton"] = None
     dev = torch.device(device) if device is not None else torch.device("cpu")
     info["device"] = str(dev)

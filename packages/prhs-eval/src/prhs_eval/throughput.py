@@ -211,9 +211,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from prhs_kernels.timing import median_ms
 
-        ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+        ms = median_ms(lambda: dst.copy_(src), warmup_ms=25, rep_ms=200)
     else:
         dst.copy_(src)
         t0 = time.perf_counter()
@@ -345,7 +345,7 @@ def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tu
         for _ in range(n):
             step()
         return (time.perf_counter() - t0) / n * 1e3, False
-    from triton.testing import do_bench
+    from prhs_kernels.timing import median_ms
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -363,12 +363,11 @@ def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tu
     graph.replay()
     torch.cuda.synchronize(device)
     est = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    # do_bench runs 5 estimation calls, then warmup/est and rep/est replays: stay in headroom.
+    # do_bench (median_ms) runs 5 estimation calls, then warmup/est and rep/est replays: stay
+    # in the cache's headroom.
     budget = max(steps - 4 - 5, 4)
     warm = max(1, budget // 8)
-    ms = do_bench(
-        graph.replay, warmup=warm * est, rep=(budget - warm) * est * 0.8, return_mode="median"
-    )
+    ms = median_ms(graph.replay, warmup_ms=warm * est, rep_ms=(budget - warm) * est * 0.8)
     del graph
     return float(ms), True
 
