@@ -431,8 +431,7 @@ def _paper_table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     table = PAPER_TABLES[name]
     budgets = getattr(args, "budgets", None)
     if budgets:
-        table = dc.replace(table, budgets=tuple(budgets))
-        PAPER_TABLES[name] = table  # this process only: the runner reads the sweep from it
+        table = dc.replace(table, budgets=tuple(budgets))  # this run's sweep, for its checks
     records: list[dict[str, Any]] = []
     from_rows = getattr(args, "from_rows", None)
     try:
@@ -494,7 +493,8 @@ def _paper_table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         try:
             records = run_paper_table(
                 name, args.models, tasks=args.tasks, context_len=args.context_len,
-                samples=args.samples, budget=getattr(args, "budget", 128), seed=args.seed,
+                samples=args.samples, budget=getattr(args, "budget", 128), budgets=budgets,
+                seed=args.seed,
                 device=args.device, dtype=args.dtype, progress=progress,
             )  # fmt: skip
         finally:

@@ -181,17 +181,23 @@ def run_paper_table(
     context_len: int = 2048,
     samples: int = 4,
     budget: int = 128,
+    budgets: Sequence[int] | None = None,
     seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run one analog on every model; one record per (model, variant, task): the
-    :meth:`~prhs_eval.results.RunResult.row` plus ``label``."""
+    :meth:`~prhs_eval.results.RunResult.row` plus ``label``. ``budgets`` replaces a figure's
+    sweep (``budget`` is the tables' one budget)."""
+    from dataclasses import replace
+
     from prhs_eval.models import load_model
     from prhs_eval.runner import SelectorSpec, compare
 
     table = PAPER_TABLES[name]
+    if budgets and table.budgets is not None:
+        table = replace(table, budgets=tuple(budgets))
     tasks = tuple(tasks or table.tasks)
     pairs = _variants(table, budget)
     specs = [SelectorSpec(v.selector, dict(v.options)) for v, _ in pairs]
