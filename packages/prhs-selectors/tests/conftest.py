@@ -62,6 +62,18 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "cis",
         {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0, "rescore": 6},
     ),
+    "cis-random": (
+        "cis",
+        {
+            "budget": 8,
+            "n_sink": 2,
+            "n_local": 4,
+            "block_size": 2,
+            "tau": 0.0,
+            "rescore": 0,
+            "expansion": "random",
+        },
+    ),
     "cis-certified": (
         "cis",
         {

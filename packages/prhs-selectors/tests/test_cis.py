@@ -137,6 +137,68 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(
     assert min(seen.values()) > 0, seen  # every branch was exercised
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_random_expansion_replaces_the_dilation_by_as_many_random_blocks(
+    make_sim, tools, block_size
+):
+    """RandomExpansion decides and retrieves as CIS does; a reuse reads the anchor's list, the
+    windows and ``2·r·m`` blocks drawn from the whole context instead of the neighbours."""
+    base = dict(budget=12, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=2,
+                rescore=0, hold_local=False)  # fmt: skip
+    runs = {}
+    for expansion in ("dilate", "random"):
+        sel = CIS(CISConfig(**base, expansion=expansion))
+        sim = make_sim([150, 97, 120], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                       max_new_tokens=12, seed=5)  # fmt: skip
+        runs[expansion] = (sel, sim, sim.attach(sel))
+    assert runs["random"][0].selection_width() == runs["dilate"][0].selection_width()
+    gen = torch.Generator().manual_seed(2)
+    s, m, r = block_size, max(1, 12 // block_size) // 2, 2
+    n_reuse = n_outside = 0
+    draws: list[set[int]] = []
+    for step in range(12):
+        if step % 4 == 0:  # a new direction: every row retrieves
+            q0 = torch.randn(3, 4, 16, generator=gen)
+        noise = torch.randn(3, 4, 16, generator=gen) * 0.02
+        outs = {}
+        for name, (_, sim, _) in runs.items():
+            sim.queries[0] = q0 + noise
+            outs[name] = sim.select(0)
+        got_d, got_r = outs["dilate"], outs["random"]
+        assert torch.equal(got_d.stats.retrieved, got_r.stats.retrieved)
+        sim, state = runs["random"][1], runs["random"][2]
+        for i in range(3):
+            tt = int(sim.lengths[i])
+            nb = -(-tt // s)
+            win = _window_blocks(tt, s, 2, 6)
+            for j in range(2):
+                a, b = tools.chosen(got_d, i, j), tools.chosen(got_r, i, j)
+                if bool(got_r.stats.retrieved[i, j]):
+                    assert a == b
+                    continue
+                n_reuse += 1
+                anchor = set(_anchor(state, i, 0, j))
+                extra = b - anchor
+                assert anchor | win <= b and extra <= set(range(nb))
+                assert len(b) <= len(anchor | win) + 2 * r * m
+                outside = extra - win - _dilate(_anchor(state, i, 0, j)[:m], r, nb)
+                n_outside += len(outside)
+                draws.append(extra)
+        for _, sim, _ in runs.values():
+            sim.advance()
+    assert n_reuse > 10
+    assert n_outside > 2 * n_reuse  # most draws are not the dilation's neighbours
+    assert len({frozenset(d) for d in draws}) > len(draws) // 2  # a fresh draw each time
+
+
+def test_random_expansion_is_paper_mode_only():
+    with pytest.raises(ValueError, match="expansion must be one of"):
+        CISConfig(expansion="shuffle")
+    with pytest.raises(ValueError, match="applies to paper mode"):
+        CISConfig(delta_max=0.1, expansion="random")
+    assert CISConfig(expansion="random", r=0).expansion == "random"
+
+
 def _pool(state, slot: int, layer: int, h: int) -> list[int]:
     """The anchor's pool (its list, then its next-best blocks), in stored order."""
     nxt = [int(x) for x in state.pool["anchor_next"][slot, layer, h] if x >= 0]

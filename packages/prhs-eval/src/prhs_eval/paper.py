@@ -6,7 +6,8 @@ then written by :func:`prhs_eval.tables.write_table_folder`:
 
 - ``table2`` (Table II): dense, H2O, Quest, HShare, oracle, CIS and certified CIS at one budget;
 - ``table6`` (Table VI, panel A): CIS against budget- and retrieval-matched controls (HShare,
-  DirectReuse: the anchor's list reused as it is, CIS with one global threshold, CIS
+  DirectReuse: the anchor's list reused as it is, RandomExpansion: as many extra blocks as the
+  dilation, drawn at random, the dilation alone, CIS with one global threshold, CIS
   calibrated on each prompt);
 - ``table8`` (Table VIII): PrHS's hyperparameters swept one at a time (CIS ``s``, ``τ``, ``r``;
   PSAW ``φ``, ``α``; ETF ``ψ``), with a perplexity task beside the retrieval ones;
@@ -76,6 +77,10 @@ def _table6(k: int) -> list[Variant]:
         Variant("HShare-matched", "hshare", {"budget": k}),
         Variant("DirectReuse (no dilation, no re-ranking; τ 0.8)", "cis",
                 {"budget": k, "tau": 0.8, "r": 0, "rescore": 0}),
+        Variant("RandomExpansion (random extras, no re-ranking; τ 0.8)", "cis",
+                {"budget": k, "tau": 0.8, "expansion": "random", "rescore": 0}),
+        Variant("CIS dilation, no re-ranking (τ 0.8)", "cis",
+                {"budget": k, "tau": 0.8, "rescore": 0}),
         Variant("CIS, global-frozen τ 0.8", "cis", {"budget": k, "tau": 0.8}),
         Variant("CIS, τ calibrated per prompt", "cis", {"budget": k}),
     ]  # fmt: skip
@@ -124,9 +129,11 @@ PAPER_TABLES: dict[str, PaperTable] = {
         "Table VI analog (panel A): CIS against matched controls",
         _table6,
         TABLE_TASKS,
-        note="RandomExpansion (the dilation's extra positions drawn at random) is not built "
-        "yet: it needs its own composition kernel. DirectReuse reuses the anchor's list as it "
-        "is: no dilation (r=0) and no re-ranking (rescore=0).",
+        note="DirectReuse reuses the anchor's list as it is: no dilation (r=0) and no "
+        "re-ranking (rescore=0). RandomExpansion adds as many blocks as the dilation does, drawn "
+        "uniformly from the context (expansion='random'). The next row is CIS's dilation with "
+        "the same rule, so the three differ only in what a reuse adds; the last two re-rank "
+        "the anchor's pool at each reuse (rescore, the default).",
     ),
     "table8": PaperTable(
         "table8",

@@ -200,7 +200,13 @@ def _compose_case(seed, s, n_sink, n_local, m_blocks, m, r, hold=False):
 @pytest.mark.parametrize("hold", [False, True])
 @pytest.mark.parametrize(
     ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
-    [(8, 4, 32, 12, 4, 1), (1, 2, 6, 10, 3, 2), (4, 0, 0, 5, 5, 1), (16, 40, 3, 6, 2, 0)],
+    [
+        (8, 4, 32, 12, 4, 1),
+        (1, 2, 6, 10, 3, 2),
+        (4, 0, 0, 5, 5, 1),
+        (16, 40, 3, 6, 2, 0),
+        (4, 2, 8, 6, 0, 2),
+    ],  # m = 0: CIS's RandomExpansion composes without dilation
 )
 def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold):
     results = []

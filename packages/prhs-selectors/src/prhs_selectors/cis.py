@@ -68,7 +68,7 @@ from prhs_kernels.cis import (
     retrieval_pool,
     top_blocks,
 )
-from prhs_kernels.compose import dilate_indices
+from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.topk import topk_indices
@@ -92,6 +92,7 @@ AUTO_TAU = "auto"
 FALLBACK_TAU = 0.72
 #: Certified mode's certificates, and the page of the per-page one (positions).
 CERTIFICATES = ("page", "global")
+EXPANSIONS = ("dilate", "random")
 DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
 #: The ratio is lower when reuses re-rank their anchor's pool (``rescore``): they then lose a
@@ -190,6 +191,11 @@ class CISConfig(SelectorConfig):
         Dilation density: the top ``m = ⌊k/n_den⌋`` positions (blocks) of ``S_a`` are dilated.
     r:
         Dilation radius: each dilated ``p`` adds ``p ± j`` for ``1 ≤ j ≤ r``.
+    expansion:
+        What a reuse adds to the anchor's list: ``"dilate"`` (the default), the ``2·r·m``
+        neighbours above; ``"random"``, as many positions (blocks) drawn uniformly from the
+        context instead, a fresh draw per step, layer and head (the paper's RandomExpansion
+        control: same width, no locality). Paper mode only.
     delta_max:
         Certified mode when set: reuse only if every query head's ``δ̂ ≤ delta_max``.
     certificate:
@@ -220,6 +226,7 @@ class CISConfig(SelectorConfig):
     rescore: int | None = None
     n_den: int = 3
     r: int = 1
+    expansion: str = "dilate"
     delta_max: float | None = None
     certificate: str | None = None
     certificate_page: int | None = None
@@ -235,6 +242,8 @@ class CISConfig(SelectorConfig):
             raise TypeError(f"hold_local must be a bool, got {type(self.hold_local).__name__}")
         check_int("n_den", self.n_den, minimum=1)
         check_int("r", self.r, minimum=0)
+        if self.expansion not in EXPANSIONS:
+            raise ValueError(f"expansion must be one of {EXPANSIONS}, got {self.expansion!r}")
         if self.rescore is not None:
             check_int("rescore", self.rescore, minimum=0)
         if not isinstance(self.require_cosine, bool):
@@ -256,6 +265,12 @@ class CISConfig(SelectorConfig):
                     "mode: set delta_max"
                 )
             return
+        if self.expansion != "dilate":
+            raise ValueError(
+                f"expansion={self.expansion!r} applies to paper mode: a certified reuse reads "
+                "sink ∪ S_a ∪ dilate(S_a) ∪ local, the set its certificate bounds (set "
+                "delta_max=None, or expansion='dilate')"
+            )
         if self.rescore:
             raise ValueError(
                 "rescore applies to paper mode: a certified reuse reads the anchor's set, the one "
@@ -691,6 +706,14 @@ class CIS(BaseSelector):
         else:
             new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         sel = plan.selection
+        random = c.expansion == "random" and c.r * self.dilation_m() > 0
+        if random:  # compose without dilation, then add the random blocks
+            n_extra = 2 * c.r * self.dilation_m()
+            out_idx = sel.indices.new_empty((*sel.indices.shape[:-1], sel.width - n_extra))
+            out_cnt = torch.empty_like(sel.counts)
+            reused = ~retrieve & ~bad  # before cis_compose makes the retrieving rows anchors
+        else:
+            out_idx, out_cnt = sel.indices, sel.counts
         cis_compose(
             query,
             retrieve,
@@ -703,13 +726,19 @@ class CIS(BaseSelector):
             n_sink=c.n_sink,
             n_local=c.n_local,
             block_size=c.block_size,
-            m=self.dilation_m(),
+            m=0 if random else self.dilation_m(),
             r=c.r,
-            out_indices=sel.indices,
-            out_counts=sel.counts,
+            out_indices=out_idx,
+            out_counts=out_cnt,
             hold_local=c.hold_local,
             path=path,
         )
+        if random:
+            extra = random_blocks(
+                kv.seq_lens, self.num_blocks(kv), slots, layer, out_cnt.shape[1], n_extra
+            )
+            extra = torch.where(reused.unsqueeze(-1), extra, -1)
+            union_indices([out_idx, extra], self.num_blocks(kv), sel.indices, sel.counts)
         if plan.stats is not None:
             hq, d = query.shape[1:]
             reuse_bytes = float(hq // kv.num_kv_heads * d * 4)
@@ -954,6 +983,31 @@ class CIS(BaseSelector):
         order2, _ = topk_indices(sc.float(), idx.shape[-1], idx >= 0)
         idx = torch.gather(idx, -1, order2.long().clamp(min=0)).masked_fill(order2 < 0, -1)
         return idx, cnt.to(torch.int32)
+
+
+def random_blocks(
+    seq_lens: torch.Tensor,
+    n_blocks: torch.Tensor,
+    slots: torch.Tensor,
+    layer: int,
+    num_heads: int,
+    count: int,
+) -> torch.Tensor:
+    """``[B, H, count]`` int64 block ids drawn uniformly from ``[0, n_blocks[b])``: a hash of
+    (length, layer, state slot, head, entry), so a draw needs no generator state
+    (graph-capturable, the same on every device), changes with every step and does not depend
+    on where a request sits in the batch. RandomExpansion's positions."""
+    p = 2147483647  # 2^31 - 1: MINSTD's modulus; every product below stays under 2^63
+    dev = n_blocks.device
+    t = seq_lens.long().view(-1, 1, 1)
+    b = slots.long().view(-1, 1, 1)
+    h = torch.arange(num_heads, device=dev).view(1, -1, 1)
+    j = torch.arange(count, device=dev).view(1, 1, -1)
+    x = (t * 1000003 + b * 7919 + h * 104729 + j * 15485863 + layer * 2654435 + 1) % p
+    for _ in range(3):
+        x = (x * 48271) % p
+        x = x ^ (x >> 13)
+    return x % torch.clamp(n_blocks.long().view(-1, 1, 1), min=1)
 
 
 def _head_log_dropped_mass(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
