@@ -14,6 +14,7 @@ from prhs_eval.tables import markdown_table, rst_table, write_table_folder
 from prhs_eval.throughput import (
     Method,
     ThroughputPoint,
+    compiled_parts,
     kv_bytes_per_token,
     load_points,
     model_config,
@@ -99,6 +100,48 @@ def test_table5_writes_its_folder_and_joins_runs(tmp_path):
     assert all(r["skipped"] is None for r in again) and len(again) == 3
     points, runs, machine = load_points([folder])
     assert all(isinstance(p, ThroughputPoint) for p in points) and runs and machine
+
+
+def test_compiled_parts_compile_norms_mlps_and_rotary_then_restore():
+    import torch._dynamo
+    from transformers.models.llama import modeling_llama
+
+    model = random_model(model_config("tiny"), "cpu", torch.float32)
+    ids = torch.randint(0, 512, (2, 5))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    rotary = modeling_llama.apply_rotary_pos_emb
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    with compiled_parts(model, "eager") as n:
+        assert n == 2 * 2 + 1 + 2  # two layers' norms (2 each) and the final one; two MLPs
+        assert modeling_llama.apply_rotary_pos_emb is not rotary
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        # Dynamo captured frames: the compiled norms, MLPs and rotary ran.
+        assert counts["stats"]["unique_graphs"] >= 3
+    torch.testing.assert_close(got, want)
+    assert modeling_llama.apply_rotary_pos_emb is rotary
+    assert torch._dynamo.config.recompile_limit == limit
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    with pytest.raises(ValueError, match="no module whose class name"):
+        with compiled_parts(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_table5_compile_runs_every_method_compiled(tmp_path):
+    out = tmp_path / "results"
+    argv = ["table5", *TINY, "--methods", "sdpa,prhs", "--compile", "eager", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "table5" / "rows.jsonl").read_text().splitlines()]
+    assert [r["compiled"] for r in rows] == ["eager", "eager"]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    readme = (out / "table5" / "README.md").read_text()
+    assert "| tiny | 2 | 256 | sdpa · compiled |" in readme and "torch.compile" in readme
+    config = json.loads((out / "table5" / "config.json").read_text())
+    assert config["runs"][0]["compile"] == "eager"
 
 
 @pytest.mark.parametrize(

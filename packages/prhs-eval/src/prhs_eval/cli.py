@@ -554,6 +554,11 @@ def _add_table5(sub: Any) -> None:
         "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
         help="an option for every selector that has it (default budget=1024); repeatable",
     )  # fmt: skip
+    t5.add_argument(
+        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="torch.compile the model's norms, MLPs and rotary embedding (every method alike; "
+        "attention is not compiled) with BACKEND (default inductor) before the capture",
+    )  # fmt: skip
     t5.add_argument("--layers", type=_positive_int, default=None, help="override the depth")
     t5.add_argument(
         "--headroom", type=_positive_int, default=160,
@@ -623,7 +628,8 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for shape in args.shapes:
         pts, ctx = decode_throughput(
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
-            layers=args.layers, headroom=args.headroom, seed=args.seed, progress=say,
+            layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
+            progress=say,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)
@@ -654,6 +660,8 @@ def _table5_write(parser: argparse.ArgumentParser, args: argparse.Namespace, run
         + ("captured in a CUDA graph and timed by `triton.testing.do_bench` (median)"
            if graphed else "run eagerly and timed by the wall clock (no CUDA here: not a "
            "throughput figure)")
+        + ". `· compiled`: the model's RMS norms, MLPs and rotary embedding ran through "
+        "`torch.compile` (attention did not), for every method of that run"
         + ". `sdpa`: transformers' attention over the static cache; `dense`: prhs's dense "
         "decode kernel; `× dense`: the best of the two over this row. Floor: weights + the "
         "K/V and proxies the method reads per step (its own statistics), at the copy "

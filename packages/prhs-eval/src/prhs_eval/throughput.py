@@ -20,13 +20,22 @@ that floor (1.0 is a step that only streams what it must).
 On CUDA a step is a graph replay timed by ``triton.testing.do_bench`` (median). Elsewhere the
 step runs eagerly and is timed by the wall clock (for tests and small checks; CPU figures are
 not throughput claims).
+
+With ``compile`` the model's per-layer elementwise work -- the RMS norms, the MLP and the rotary
+embedding -- goes through ``torch.compile`` (one graph each, shared by every layer) before the
+capture, for every method alike: transformers runs these as ~30 small kernels a layer, which a
+decode step at small batch spends more time launching than streaming. Attention (prhs's or
+transformers') is not compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
+import sys
 import time
+from collections.abc import Iterator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +45,7 @@ import torch
 __all__ = [
     "SHAPES",
     "Method",
+    "compiled_parts",
     "ThroughputPoint",
     "copy_bandwidth",
     "decode_throughput",
@@ -242,6 +252,7 @@ class ThroughputPoint:
     avg_selected: float | None = None
     state_bytes: int | None = None
     graph: bool = False
+    compiled: str | None = None  # the torch.compile backend of the model's parts, if any
     skipped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -291,6 +302,48 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
     points = sorted(merged.values(), key=lambda p: (order.get(p.shape, 99), p.context, p.batch))
     # Keep each (B, T)'s methods in the order they ran.
     return points, runs, machine
+
+
+#: The modules ``compiled_parts`` compiles, by class-name suffix (transformers' Llama family).
+COMPILED_MODULES = ("RMSNorm", "MLP")
+
+
+@contextlib.contextmanager
+def compiled_parts(model: Any, backend: str = "inductor") -> Iterator[int]:
+    """Within the block, the model's RMS norms and MLPs (modules whose class name ends in
+    :data:`COMPILED_MODULES`) and its modeling module's ``apply_rotary_pos_emb`` run through
+    ``torch.compile(backend=backend, dynamic=False)``; yields how many modules were compiled.
+    Everything is restored on exit. The attention call is left alone: prhs's decode path has
+    its own kernels and transformers' sdpa is one call."""
+    import torch._dynamo
+
+    mods = [m for m in model.modules() if type(m).__name__.endswith(COMPILED_MODULES)]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__} has no module whose class name ends in {COMPILED_MODULES}"
+        )
+    cfg = torch._dynamo.config
+    limit_name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old_limit = getattr(cfg, limit_name)
+    rotary = []  # (module, original) of each modeling module that defines it
+    for name in dict.fromkeys(type(m).__module__ for m in model.modules()):
+        module = sys.modules.get(name)
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if callable(fn):
+            rotary.append((module, fn))
+    try:
+        setattr(cfg, limit_name, max(old_limit, 64))  # a graph per batch size and module type
+        for m in mods:
+            m.compile(backend=backend, dynamic=False)
+        for module, fn in rotary:
+            module.apply_rotary_pos_emb = torch.compile(fn, backend=backend, dynamic=False)
+        yield len(mods)
+    finally:
+        for m in mods:
+            m._compiled_call_impl = None
+        for module, fn in rotary:
+            module.apply_rotary_pos_emb = fn
+        setattr(cfg, limit_name, old_limit)
 
 
 def _static_cache(model: Any, batch: int, capacity: int, device: torch.device) -> Any:
@@ -391,12 +444,13 @@ def _measure(
     headroom: int,
     bw: float,
     device: torch.device,
+    compiled: str | None = None,
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped)."""
     from prhs_eval.integration import enable
 
     _rewind(cache, t)
-    p = ThroughputPoint(shape, b, t, m.label)
+    p = ThroughputPoint(shape, b, t, m.label, compiled=compiled)
     runtime = None
     try:
         if m.name != SDPA:
@@ -446,20 +500,66 @@ def decode_throughput(
     headroom: int = 160,
     memory_fraction: float = 0.9,
     seed: int = 0,
+    compile: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
     context (bandwidth, weight bytes, config).
 
     A (B, T) whose weights, K/V and ``headroom`` decode positions do not fit in
-    ``memory_fraction`` of the device's memory is reported as skipped, not run.
+    ``memory_fraction`` of the device's memory is reported as skipped, not run. ``compile``:
+    a ``torch.compile`` backend (``"inductor"``) for the model's norms, MLPs and rotary
+    embedding (:func:`compiled_parts`), every method alike; ``None``: eager modules.
     """
     device = torch.device(device)
     if headroom < 16:
         raise ValueError(f"headroom must be >= 16 decode positions, got {headroom}")
+    if compile is not None and not (isinstance(compile, str) and compile):
+        raise ValueError(f"compile must be a torch.compile backend name or None, got {compile!r}")
     say = progress or (lambda _m: None)
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
+    with contextlib.ExitStack() as stack:
+        if compile is not None:
+            stack.enter_context(compiled_parts(model, compile))
+        points, bw, params = _run_points(
+            model, config, shape, batches, contexts, methods, device, dtype, headroom,
+            memory_fraction, seed, compile, say,
+        )  # fmt: skip
+    context = {
+        "shape": shape,
+        "config": {k: v for k, v in SHAPES[shape].items()}
+        | ({"num_hidden_layers": layers} if layers else {}),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "copy_bandwidth_GBps": bw / 1e9,
+        "parameter_bytes": params,
+        "kv_bytes_per_token": kv_bytes_per_token(config, dtype),
+        "headroom": headroom,
+        "compile": compile,
+        "methods": [m.label for m in methods],
+    }
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return points, context
+
+
+def _run_points(
+    model: Any,
+    config: Any,
+    shape: str,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    methods: Sequence[Method],
+    device: torch.device,
+    dtype: torch.dtype,
+    headroom: int,
+    memory_fraction: float,
+    seed: int,
+    compile: str | None,
+    say: Callable[[str], None],
+) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
     per_token = kv_bytes_per_token(config, dtype)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -489,8 +589,9 @@ def decode_throughput(
             tokens = torch.zeros(b, 1, dtype=torch.long, device=device)
             row = [
                 _measure(
-                    model, config, cache, tokens, shape, b, t, m, capacity, headroom, bw, device
-                )
+                    model, config, cache, tokens, shape, b, t, m, capacity, headroom, bw, device,
+                    compile,
+                )  # fmt: skip
                 for m in methods
             ]
             dense = [p.ms_per_step for p in row if p.ms_per_step and p.method in (SDPA, "dense")]
@@ -506,22 +607,7 @@ def decode_throughput(
             points += row
             del cache, tokens
             _free(device)
-    context = {
-        "shape": shape,
-        "config": {k: v for k, v in SHAPES[shape].items()}
-        | ({"num_hidden_layers": layers} if layers else {}),
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device),
-        "copy_bandwidth_GBps": bw / 1e9,
-        "parameter_bytes": params,
-        "kv_bytes_per_token": per_token,
-        "headroom": headroom,
-        "methods": [m.label for m in methods],
-    }
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return points, context
+    return points, bw, params
 
 
 TABLE5_HEAD = (
@@ -544,8 +630,9 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
             continue
         kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
         state = None if p.state_bytes is None else p.state_bytes / 1e9
+        method = p.method + (" · compiled" if p.compiled else "")
         rows.append([
-            p.shape, str(p.batch), str(p.context), p.method, _f(p.ms_per_step, ".3f"),
+            p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
             _f(p.vs_floor, ".2f"), _f(p.retrieval_ratio, ".1f"), _f(kv, ".2f"),
             _f(state, ".2f"),
