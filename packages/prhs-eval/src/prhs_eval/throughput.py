@@ -35,8 +35,7 @@ import gc
 import re
 import sys
 import time
-from collections.abc import Iterator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +44,8 @@ import torch
 __all__ = [
     "SHAPES",
     "Method",
-    "compiled_parts",
     "ThroughputPoint",
+    "compiled_parts",
     "copy_bandwidth",
     "decode_throughput",
     "kv_bytes_per_token",
@@ -589,9 +588,20 @@ def _run_points(
             tokens = torch.zeros(b, 1, dtype=torch.long, device=device)
             row = [
                 _measure(
-                    model, config, cache, tokens, shape, b, t, m, capacity, headroom, bw, device,
+                    model,
+                    config,
+                    cache,
+                    tokens,
+                    shape,
+                    b,
+                    t,
+                    m,
+                    capacity,
+                    headroom,
+                    bw,
+                    device,
                     compile,
-                )  # fmt: skip
+                )
                 for m in methods
             ]
             dense = [p.ms_per_step for p in row if p.ms_per_step and p.method in (SDPA, "dense")]
