@@ -23,6 +23,7 @@ from prhs_eval.throughput import (
     _rewind,
     _static_cache,
     _step_fn,
+    compiled_parts,
     model_config,
     parse_methods,
     random_model,
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--compile", action="store_true", help="table5 --compile's model parts")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -45,6 +47,8 @@ def main() -> int:
     headroom = 8 + a.replays + 8
     cfg = model_config(a.shape, max_positions=a.context + headroom + 8)
     model = random_model(cfg, dev, torch.bfloat16)
+    if a.compile:  # for the whole run: the process ends with it
+        compiled_parts(model).__enter__()
     cache = _static_cache(model, a.batch, a.context + headroom, dev)
     _fill(cache, a.context, 0)
     tokens = torch.zeros(a.batch, 1, dtype=torch.long, device=dev)
@@ -93,8 +97,10 @@ def main() -> int:
             print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  {k[:100]}")
         del g
     meta = {"shape": a.shape, "batch": a.batch, "context": a.context, "budget": a.budget,
+            "compile": a.compile,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
-    (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}.json").write_text(
+    tag = "-compiled" if a.compile else ""
+    (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"
     )
     return 0

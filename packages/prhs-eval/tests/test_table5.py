@@ -131,6 +131,27 @@ def test_compiled_parts_compile_norms_mlps_and_rotary_then_restore():
             pass
 
 
+def test_a_selector_is_timed_without_statistics_and_counted_in_a_second_run(monkeypatch):
+    import prhs_eval.integration as integration
+    from prhs_eval.throughput import decode_throughput
+
+    calls = []
+    real = integration.enable
+
+    def spy(*args, **kw):
+        calls.append(kw["stats"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(integration, "enable", spy)
+    methods = parse_methods("sdpa,prhs[tau=-1.0]", {"budget": 32})
+    points, _ = decode_throughput("tiny", [2], [256], methods, device="cpu",
+                                  dtype=torch.float32, headroom=20)  # fmt: skip
+    assert calls == [False, True]  # sdpa enables nothing
+    prhs = points[1]
+    assert prhs.retrieval_ratio is not None and 0 < prhs.retrieval_ratio < 100
+    assert prhs.kv_bytes_per_step < points[0].kv_bytes_per_step
+
+
 def test_table5_compile_runs_every_method_compiled(tmp_path):
     out = tmp_path / "results"
     argv = ["table5", *TINY, "--methods", "sdpa,prhs", "--compile", "eager", "--out", str(out)]
@@ -142,6 +163,13 @@ def test_table5_compile_runs_every_method_compiled(tmp_path):
     assert "| tiny | 2 | 256 | sdpa · compiled |" in readme and "torch.compile" in readme
     config = json.loads((out / "table5" / "config.json").read_text())
     assert config["runs"][0]["compile"] == "eager"
+    # Joined with an eager run of the same methods, both points of each method are kept.
+    eager = tmp_path / "eager"
+    assert main(["table5", *TINY, "--methods", "sdpa,prhs", "--out", str(eager)]) == 0
+    points, _, _ = load_points([out / "table5", eager / "table5"])
+    assert sorted((p.method, str(p.compiled)) for p in points) == [
+        ("prhs[budget=32]", "None"), ("prhs[budget=32]", "eager"), ("sdpa", "None"),
+        ("sdpa", "eager")]  # fmt: skip
 
 
 @pytest.mark.parametrize(

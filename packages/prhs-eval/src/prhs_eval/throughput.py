@@ -15,7 +15,9 @@ and replayed. Each method runs on the same model and cache in the same process:
 Beside each point its **byte floor**: the weights plus the K/V (and the proxies: page bounds,
 the keys a retrieval scores) that method reads per step, as its own statistics count them,
 over the copy bandwidth measured in the same run. ``vs floor`` is the measured step time over
-that floor (1.0 is a step that only streams what it must).
+that floor (1.0 is a step that only streams what it must). The timed run keeps no statistics
+(as a user's decode does not); they come from a second, untimed run of as many steps from the
+same cache.
 
 On CUDA a step is a graph replay timed by ``triton.testing.do_bench`` (median). Elsewhere the
 step runs eagerly and is timed by the wall clock (for tests and small checks; CPU figures are
@@ -269,7 +271,7 @@ class ThroughputPoint:
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method) of an earlier one
+    measured in a later folder replaces the same (shape, B, T, method, compiled) of an earlier one
     (a re-run of what ran out of memory). All must come from one GPU model."""
     import json
     from pathlib import Path
@@ -294,7 +296,7 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
         for line in rows.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 pt = ThroughputPoint.from_dict(json.loads(line))
-                key = (pt.shape, pt.batch, pt.context, pt.method)
+                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled)
                 if pt.skipped is None or key not in merged or merged[key].skipped:
                     merged[key] = pt
     order = {s: i for i, s in enumerate(SHAPES)}
@@ -387,6 +389,35 @@ def _step_fn(model: Any, cache: Any, tokens: torch.Tensor) -> Callable[[], None]
     return step
 
 
+def _capture(step: Callable[[], None], device: torch.device) -> Any:
+    """Two eager warm-up steps on a side stream, then the step captured in a CUDA graph."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()  # the first step after attach copies the cache into the side caches
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _count_steps(step: Callable[[], None], device: torch.device, steps: int) -> None:
+    """Run ``steps`` steps as the timed run does (two eager, the rest graph replays on CUDA),
+    untimed: the pass that keeps a method's statistics."""
+    if device.type != "cuda":
+        for _ in range(steps):
+            step()
+        return
+    graph = _capture(step, device)
+    for _ in range(max(steps - 3, 1)):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    del graph
+
+
 def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tuple[float, bool]:
     """(ms per step, whether a CUDA graph ran it). ``steps``: the replays allowed (the cache's
     headroom); two eager warm-up steps come first."""
@@ -399,16 +430,7 @@ def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tu
         return (time.perf_counter() - t0) / n * 1e3, False
     from prhs_kernels.timing import median_ms
 
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        step()  # the first step after attach copies the cache into the side caches
-        step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step, device)
     graph.replay()
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -445,30 +467,41 @@ def _measure(
     device: torch.device,
     compiled: str | None = None,
 ) -> ThroughputPoint:
-    """One method's point on a filled cache (a method that runs out of memory is skipped)."""
+    """One method's point on a filled cache (a method that runs out of memory is skipped).
+
+    A selector runs twice from the same cache: timed without statistics (what a user runs),
+    then as many steps again with them kept on the device, untimed, for the bytes it read and
+    its retrieval ratio (the two runs make the same decisions: nothing in a step depends on
+    whether statistics are kept)."""
     from prhs_eval.integration import enable
 
-    _rewind(cache, t)
     p = ThroughputPoint(shape, b, t, m.label, compiled=compiled)
-    runtime = None
+    summary: dict[str, Any] = {}
     try:
-        if m.name != SDPA:
-            runtime = enable(
-                model, m.name, max_seq_len=capacity, checked=False, stats=True, **dict(m.options)
-            )
-            state = runtime.attach(cache, b)
-            p.state_bytes = sum(state.nbytes().values())
         with torch.no_grad():
-            ms, graphed = _time_step(_step_fn(model, cache, tokens), device, headroom)
-        summary = runtime.summary(cache) if runtime is not None else {}
+            for counting in (False, True) if m.name != SDPA else (False,):
+                _rewind(cache, t)
+                runtime = None
+                try:
+                    if m.name != SDPA:
+                        runtime = enable(model, m.name, max_seq_len=capacity, checked=False,
+                                         stats=counting, **dict(m.options))  # fmt: skip
+                        state = runtime.attach(cache, b)
+                        p.state_bytes = sum(state.nbytes().values())
+                    step = _step_fn(model, cache, tokens)
+                    if counting:
+                        _count_steps(step, device, headroom)
+                        summary = runtime.summary(cache)
+                    else:
+                        ms, graphed = _time_step(step, device, headroom)
+                finally:
+                    if runtime is not None:
+                        runtime.disable()
+                    _rewind(cache, t)
+                    _free(device)
     except torch.OutOfMemoryError:
         p.skipped = "out of memory (its state and scratch on top of the K/V)"
         return p
-    finally:
-        if runtime is not None:
-            runtime.disable()
-        _rewind(cache, t)
-        _free(device)
     p.ms_per_step, p.graph = ms, graphed
     p.tokens_per_s = b / (ms / 1e3)
     p.weight_bytes = weight_bytes(model, b)
