@@ -9,6 +9,7 @@ method, from graph replays under torch.profiler (the same model, cache and step 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -47,8 +48,9 @@ def main() -> int:
     headroom = 8 + a.replays + 8
     cfg = model_config(a.shape, max_positions=a.context + headroom + 8)
     model = random_model(cfg, dev, torch.bfloat16)
-    if a.compile:  # for the whole run: the process ends with it
-        compiled_parts(model).__enter__()
+    parts = contextlib.ExitStack()  # held until main returns: a dropped one would restore
+    if a.compile:
+        parts.enter_context(compiled_parts(model))
     cache = _static_cache(model, a.batch, a.context + headroom, dev)
     _fill(cache, a.context, 0)
     tokens = torch.zeros(a.batch, 1, dtype=torch.long, device=dev)
@@ -103,6 +105,7 @@ def main() -> int:
     (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"
     )
+    parts.close()
     return 0
 
 
