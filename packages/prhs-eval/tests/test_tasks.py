@@ -29,7 +29,7 @@ from prhs_eval.tasks import haystack as haystack_module
 
 # The needle tasks (RULER's aggregation tasks have no haystack: test_tasks_aggregation.py; the
 # benchmark-file tasks need a file: test_tasks_benchmarks.py).
-AGGREGATION_TASKS = ("common_words", "frequent_words", "gsm8k", "longbench_v2")
+AGGREGATION_TASKS = ("common_words", "frequent_words", "gsm8k", "coqa", "longbench_v2")
 GENERATION_TASKS = [
     name for name, spec in TASKS.items() if spec.kind == "generation" and name not in
     AGGREGATION_TASKS
@@ -170,6 +170,7 @@ def test_registry_lists_every_task_with_its_defaults():
         "common_words",
         "frequent_words",
         "gsm8k",
+        "coqa",
         "longbench_v2",
         "perplexity",
     }

@@ -45,6 +45,49 @@ def longbench_file(tmp_path):
     return path
 
 
+@pytest.fixture
+def coqa_file(tmp_path):
+    stories = []
+    for i in range(3):
+        story = f"Story {i}. " + " ".join(f"w{j}" for j in range(400)) + f" Ann owns {i + 2} cats."
+        qs = ["Who owns cats?", "How many?", "Is it a story?"]
+        ans = ["Ann", f"{i + 2}", "yes"]
+        stories.append({
+            "id": f"s{i}", "story": story,
+            "questions": [{"turn_id": t + 1, "input_text": q} for t, q in enumerate(qs)],
+            "answers": [{"turn_id": t + 1, "input_text": a} for t, a in enumerate(ans)],
+            "additional_answers": {"0": [{"turn_id": t + 1, "input_text": a + " indeed"}
+                                         for t, a in enumerate(ans)]},
+        })  # fmt: skip
+    path = tmp_path / "coqa-dev-v1.0.json"
+    path.write_text(json.dumps({"version": "1.0", "data": stories}))
+    return path
+
+
+def test_coqa_turns_in_lm_eval_layout_scored_by_f1(coqa_file):
+    samples = make_samples("coqa", WS(), context_len=1000, num_samples=6, seed=0, data=coqa_file)
+    assert samples == make_samples("coqa", WS(), context_len=1000, num_samples=6, seed=0,
+                                   data=coqa_file)  # fmt: skip
+    for s in samples:
+        assert s.prompt.startswith("Story ") and s.prompt.endswith("\n\nA:")
+        assert s.prompt.count("Q: ") == s.meta["turn"] and not s.meta["cut"]
+        assert s.max_new_tokens == TASKS["coqa"].max_new_tokens == 32
+    s = next(x for x in samples if x.meta["turn"] == 2)
+    assert "Q: Who owns cats?\n\nA: Ann\n\nQ: How many?\n\nA:" in s.prompt
+    n = s.answers[0]
+    # Golds "2" and "2 indeed": CoQA averages, leaving each gold out in turn, the best F1
+    # against the others: (F1 vs "2 indeed" = 2/3, F1 vs "2" = 1) / 2. The next turn is cut.
+    assert score(s, f" {n}\n\nQ: Is it a story?") == pytest.approx(5 / 6)
+    assert score(s, f" {n} indeed") == pytest.approx(5 / 6)
+    assert score(s, " seven") == 0.0
+    (cut,) = make_samples("coqa", WS(), context_len=200, num_samples=1, seed=0, data=coqa_file)
+    assert cut.meta["cut"] and cut.context_tokens <= 200 and "cats." in cut.prompt
+    with pytest.raises(ValueError, match="too small for coqa"):
+        make_samples("coqa", WS(), context_len=3, num_samples=1, seed=0, data=coqa_file)
+    with pytest.raises(ValueError, match="9 turns"):
+        make_samples("coqa", WS(), context_len=500, num_samples=10, seed=0, data=coqa_file)
+
+
 def test_gsm8k_is_many_shot_up_to_the_context(gsm8k_file):
     samples = make_samples("gsm8k", WS(), context_len=300, num_samples=3, seed=1, data=gsm8k_file)
     assert samples == make_samples("gsm8k", WS(), context_len=300, num_samples=3, seed=1,
@@ -104,7 +147,7 @@ def test_compare_data_errors(gsm8k_file, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         main(["compare", *argv, "--out", str(tmp_path / "r")])
     assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert set(FILE_TASKS) == {"gsm8k", "longbench_v2"}
+    assert set(FILE_TASKS) == {"gsm8k", "coqa", "longbench_v2"}
 
 
 @pytest.mark.slow

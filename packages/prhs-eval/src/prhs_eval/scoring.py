@@ -42,6 +42,7 @@ __all__ = [
     "GSM8KProblem",
     "LongBenchV2Item",
     "QAItem",
+    "coqa_answer",
     "coqa_exact_match",
     "coqa_f1",
     "coqa_normalize",
@@ -137,6 +138,17 @@ def _over_golds(fn, golds: Sequence[str], pred: str) -> float:
     for i in range(len(golds)):  # each gold left out in turn: the best against the others
         total += max(fn(g, pred) for g in golds[:i] + golds[i + 1 :])
     return total / len(golds)
+
+
+def coqa_answer(completion: str) -> str:
+    """The answer a completion gives to a CoQA prompt: its text up to the next turn (a blank
+    line or ``Q:``, where lm-evaluation-harness stops generating), stripped."""
+    text = completion.lstrip()
+    for stop in ("\n\n", "\nQ:", "Q:"):
+        cut = text.find(stop)
+        if cut >= 0:
+            text = text[:cut]
+    return text.strip()
 
 
 def coqa_exact_match(golds: Sequence[str], pred: str) -> float:

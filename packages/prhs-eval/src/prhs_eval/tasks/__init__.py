@@ -22,10 +22,11 @@ Tasks (the registry :data:`TASKS`; :func:`make_samples` looks them up by name):
     RULER's aggregation tasks (:mod:`~prhs_eval.tasks.aggregation`): the ten words a long
     numbered list repeats most; the three most frequent words of a Zipf-distributed coded
     text. The whole context is what must be counted.
-``gsm8k``, ``longbench_v2``
+``gsm8k``, ``coqa``, ``longbench_v2``
     Public benchmarks from local files (:mod:`~prhs_eval.tasks.benchmarks`, ``data=PATH``):
-    a GSM8K problem after solved ones that fill the context, a LongBench v2 question with its
-    context cut in the middle to fit; scored as the benchmarks score.
+    a GSM8K problem after solved ones that fill the context, a CoQA turn after its story and
+    conversation, a LongBench v2 question with its context cut in the middle to fit; scored as
+    the benchmarks score.
 ``perplexity_text``
     Contiguous windows of exactly ``context_len`` tokens of the Bible or of a user text file,
     for perplexity (no question, no answer).
@@ -64,7 +65,7 @@ from prhs_eval.tasks.base import (
     score,
     token_ids,
 )
-from prhs_eval.tasks.benchmarks import gsm8k, longbench_v2
+from prhs_eval.tasks.benchmarks import coqa, gsm8k, longbench_v2
 from prhs_eval.tasks.haystack import (
     FILLER_SENTENCES,
     HAYSTACKS,
@@ -163,6 +164,13 @@ TASKS: dict[str, TaskSpec] = {
             256,
         ),
         TaskSpec(
+            "coqa",
+            coqa,
+            "CoQA from --data coqa-dev-v1.0.json: a turn of a conversation about a story",
+            "generation",
+            32,
+        ),
+        TaskSpec(
             "longbench_v2",
             longbench_v2,
             "LongBench v2 from --data data.json: 4-choice questions, contexts cut to fit",
@@ -204,7 +212,7 @@ def _fwe_min(tokenizer: TokenizerLike, **args: Any) -> int:
 
 
 #: Tasks that read a public benchmark's local file (``data=``, ``--data``).
-FILE_TASKS = ("gsm8k", "longbench_v2")
+FILE_TASKS = ("gsm8k", "coqa", "longbench_v2")
 
 _AGGREGATION_MIN: dict[str, Callable[..., int]] = {
     "common_words": _cwe_min,

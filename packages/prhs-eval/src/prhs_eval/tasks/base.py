@@ -217,7 +217,8 @@ class TaskSpec:
 def score(sample: Sample, completion: str) -> float:
     """RULER's string match: the fraction of ``sample.answers`` found in ``completion``; a
     public benchmark's sample (``meta["scorer"]``) is scored its own way instead (GSM8K's
-    flexible extraction, LongBench v2's answer letter).
+    flexible extraction, CoQA's token F1 of the completion's first line, LongBench v2's answer
+    letter).
 
     Matching is case-insensitive, on whitespace-stripped strings, and by substring (an answer
     anywhere in the completion counts).
@@ -250,6 +251,8 @@ def score(sample: Sample, completion: str) -> float:
 
         if scorer == "gsm8k":
             return scoring.gsm8k_flexible(completion, str(sample.meta["answer"]))
+        if scorer == "coqa":
+            return scoring.coqa_f1(sample.answers, scoring.coqa_answer(completion))
         if scorer == "longbench_v2":
             return float(scoring.longbench_v2_choice(completion) == sample.answers[0])
         raise ValueError(f"sample of task {sample.task!r} names an unknown scorer {scorer!r}")

@@ -5,6 +5,13 @@
     ending in ``#### N``) as fill ``context_len`` tokens: many-shot, so the prompt is long and a
     selector has something to choose from. Scored by GSM8K's flexible extraction (the
     completion's last number); ``meta["strict"]`` the strict match.
+``coqa``
+    A CoQA turn: its story, the conversation before it and its question, in
+    lm-evaluation-harness's layout (the story, then ``Q: ...`` / ``A: ...`` lines); the story is
+    cut in the middle if the prompt would not fit ``context_len``. Scored by CoQA's token F1
+    against the turn's gold answers, on the completion up to the next turn
+    (:func:`prhs_eval.scoring.coqa_answer`); :func:`prhs_eval.scoring.coqa_exact_match` is the
+    benchmark's other metric.
 ``longbench_v2``
     A LongBench v2 question in the benchmark's zero-shot prompt, its context cut in the middle
     (as the benchmark's own script does) to fit ``context_len`` tokens. Scored by the letter the
@@ -27,7 +34,7 @@ from prhs_eval.tasks.base import (
     task_rng,
 )
 
-__all__ = ["gsm8k", "longbench_v2"]
+__all__ = ["coqa", "gsm8k", "longbench_v2"]
 
 
 def _check_data(task: str, data: object) -> str:
@@ -88,6 +95,53 @@ def gsm8k(
                           max_new_tokens or 256,
                           {"seed": seed, "scorer": "gsm8k", "answer": target.answer,
                            "shots": len(shots)}))  # fmt: skip
+    return out
+
+
+def coqa_prompt(story: str, history: tuple[tuple[str, str], ...], question: str) -> str:
+    """lm-evaluation-harness's CoQA layout: the story, each earlier turn, then the question."""
+    turns = "".join(f"Q: {q}\n\nA: {a}\n\n" for q, a in history)
+    return f"{story}\n\n{turns}Q: {question}\n\nA:"
+
+
+def coqa(
+    tokenizer: TokenizerLike,
+    *,
+    context_len: int,
+    num_samples: int,
+    seed: int,
+    data: str | os.PathLike[str] | None = None,
+    max_new_tokens: int | None = None,
+) -> list[Sample]:
+    """CoQA turns from ``data`` (``coqa-dev-v1.0.json``), stories cut in the middle to fit;
+    ``max_new_tokens`` default 32 (CoQA's answers are short spans)."""
+    from prhs_eval.scoring import read_coqa
+
+    check_common(context_len, num_samples, seed, max_new_tokens)
+    turns = read_coqa(_check_data("coqa", data))
+    if len(turns) < num_samples:
+        raise ValueError(f"coqa: {len(turns)} turns in {str(data)!r}, {num_samples} samples asked")
+    order = task_rng(seed, "coqa").permutation(len(turns))
+    out = []
+    for i in range(num_samples):
+        turn = turns[int(order[i])]
+        bare = count_tokens(tokenizer, coqa_prompt("", turn.history, turn.question))
+        room = context_len - bare
+        if room < 2:
+            raise ValueError(
+                f"context_len={context_len} is too small for coqa: sample {i}'s conversation "
+                f"without its story takes {bare} tokens"
+            )
+        story = _cut_middle(tokenizer, turn.story, room)
+        prompt = coqa_prompt(story, turn.history, turn.question)
+        while count_tokens(tokenizer, prompt) > context_len and room > 2:
+            room -= max(1, room // 100)  # a cut can merge tokens across its seam
+            story = _cut_middle(tokenizer, turn.story, room)
+            prompt = coqa_prompt(story, turn.history, turn.question)
+        out.append(Sample("coqa", i, prompt, turn.answers, count_tokens(tokenizer, prompt),
+                          max_new_tokens or 32,
+                          {"seed": seed, "scorer": "coqa", "story_id": turn.story_id,
+                           "turn": len(turn.history) + 1, "cut": story != turn.story}))  # fmt: skip
     return out
 
 
