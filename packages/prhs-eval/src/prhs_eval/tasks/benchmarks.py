@@ -25,6 +25,8 @@ and applied by :func:`prhs_eval.tasks.score`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 
 from prhs_eval.tasks.base import (
     Sample,
@@ -132,12 +134,10 @@ def coqa(
                 f"context_len={context_len} is too small for coqa: sample {i}'s conversation "
                 f"without its story takes {bare} tokens"
             )
-        story = _cut_middle(tokenizer, turn.story, room)
-        prompt = coqa_prompt(story, turn.history, turn.question)
-        while count_tokens(tokenizer, prompt) > context_len and room > 2:
-            room -= max(1, room // 100)  # a cut can merge tokens across its seam
-            story = _cut_middle(tokenizer, turn.story, room)
-            prompt = coqa_prompt(story, turn.history, turn.question)
+        story, prompt = _fit(
+            tokenizer, turn.story, partial(coqa_prompt, history=turn.history, question=turn.question),
+            room, context_len,
+        )  # fmt: skip
         out.append(Sample("coqa", i, prompt, turn.answers, count_tokens(tokenizer, prompt),
                           max_new_tokens or 32,
                           {"seed": seed, "scorer": "coqa", "story_id": turn.story_id,
@@ -175,18 +175,35 @@ def longbench_v2(
                 f"context_len={context_len} is too small for longbench_v2: sample {i}'s prompt "
                 f"without its context takes {bare} tokens"
             )
-        context = _cut_middle(tokenizer, item.context, room)
-        prompt = longbench_v2_prompt(_with_context(item, context))
-        while count_tokens(tokenizer, prompt) > context_len and room > 2:
-            room -= max(1, room // 100)  # a cut can merge tokens across its seam
-            context = _cut_middle(tokenizer, item.context, room)
-            prompt = longbench_v2_prompt(_with_context(item, context))
+        context, prompt = _fit(
+            tokenizer, item.context, lambda x, it=item: longbench_v2_prompt(_with_context(it, x)),
+            room, context_len,
+        )  # fmt: skip
         out.append(Sample("longbench_v2", i, prompt, (item.answer,),
                           count_tokens(tokenizer, prompt), max_new_tokens or 32,
                           {"seed": seed, "scorer": "longbench_v2", "id": item.id,
                            "difficulty": item.difficulty, "length": item.length,
                            "cut": context != item.context}))  # fmt: skip
     return out
+
+
+def _fit(
+    tokenizer: TokenizerLike,
+    text: str,
+    make_prompt: Callable[[str], str],
+    room: int,
+    context_len: int,
+) -> tuple[str, str]:
+    """``(text', prompt)``: ``text`` cut in the middle to ``room`` tokens, shortened further
+    while ``make_prompt(text')`` exceeds ``context_len`` (a cut can merge tokens across its
+    seam)."""
+    cut = _cut_middle(tokenizer, text, room)
+    prompt = make_prompt(cut)
+    while count_tokens(tokenizer, prompt) > context_len and room > 2:
+        room -= max(1, room // 100)
+        cut = _cut_middle(tokenizer, text, room)
+        prompt = make_prompt(cut)
+    return cut, prompt
 
 
 def _with_context(item, context: str):
