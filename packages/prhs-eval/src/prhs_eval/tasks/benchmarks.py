@@ -134,10 +134,8 @@ def coqa(
                 f"context_len={context_len} is too small for coqa: sample {i}'s conversation "
                 f"without its story takes {bare} tokens"
             )
-        story, prompt = _fit(
-            tokenizer, turn.story, partial(coqa_prompt, history=turn.history, question=turn.question),
-            room, context_len,
-        )  # fmt: skip
+        make = partial(coqa_prompt, history=turn.history, question=turn.question)
+        story, prompt = _fit(tokenizer, turn.story, make, room, context_len)
         out.append(Sample("coqa", i, prompt, turn.answers, count_tokens(tokenizer, prompt),
                           max_new_tokens or 32,
                           {"seed": seed, "scorer": "coqa", "story_id": turn.story_id,
