@@ -144,7 +144,7 @@ def coqa_answer(completion: str) -> str:
     """The answer a completion gives to a CoQA prompt: its text up to the next turn (a blank
     line or ``Q:``, where lm-evaluation-harness stops generating), stripped."""
     text = completion.lstrip()
-    for stop in ("\n\n", "\nQ:", "Q:"):
+    for stop in ("\n\n", "Q:"):
         cut = text.find(stop)
         if cut >= 0:
             text = text[:cut]

@@ -734,11 +734,10 @@ class CIS(BaseSelector):
             path=path,
         )
         if random:
-            extra = random_blocks(
-                kv.seq_lens, self.num_blocks(kv), slots, layer, out_cnt.shape[1], n_extra
-            )
+            n_blocks = self.num_blocks(kv)
+            extra = random_blocks(kv.seq_lens, n_blocks, slots, layer, out_cnt.shape[1], n_extra)
             extra = torch.where(reused.unsqueeze(-1), extra, -1)
-            union_indices([out_idx, extra], self.num_blocks(kv), sel.indices, sel.counts)
+            union_indices([out_idx, extra], n_blocks, sel.indices, sel.counts)
         if plan.stats is not None:
             hq, d = query.shape[1:]
             reuse_bytes = float(hq // kv.num_kv_heads * d * 4)

@@ -217,8 +217,8 @@ class TaskSpec:
 def score(sample: Sample, completion: str) -> float:
     """RULER's string match: the fraction of ``sample.answers`` found in ``completion``; a
     public benchmark's sample (``meta["scorer"]``) is scored its own way instead (GSM8K's
-    flexible extraction, CoQA's token F1 of the completion's first line, LongBench v2's answer
-    letter).
+    flexible extraction, CoQA's token F1 of the completion up to the next turn, LongBench v2's
+    answer letter).
 
     Matching is case-insensitive, on whitespace-stripped strings, and by substring (an answer
     anywhere in the completion counts).
