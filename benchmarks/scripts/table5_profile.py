@@ -25,6 +25,7 @@ from prhs_eval.throughput import (
     _static_cache,
     _step_fn,
     compiled_parts,
+    fused_projections,
     model_config,
     parse_methods,
     random_model,
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--compile", action="store_true", help="table5 --compile's model parts")
+    ap.add_argument("--fuse", action="store_true", help="table5 --fuse's fused projections")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -49,6 +51,8 @@ def main() -> int:
     cfg = model_config(a.shape, max_positions=a.context + headroom + 8)
     model = random_model(cfg, dev, torch.bfloat16)
     parts = contextlib.ExitStack()  # held until main returns: a dropped one would restore
+    if a.fuse:
+        parts.enter_context(fused_projections(model))
     if a.compile:
         parts.enter_context(compiled_parts(model))
     cache = _static_cache(model, a.batch, a.context + headroom, dev)
@@ -61,7 +65,7 @@ def main() -> int:
         rt = None
         if m.name != SDPA:
             rt = enable(model, m.name, max_seq_len=a.context + headroom, checked=False,
-                        **dict(m.options))  # fmt: skip
+                        stats=False, **dict(m.options))  # fmt: skip
             rt.attach(cache, a.batch)
         step = _step_fn(model, cache, tokens)
         with torch.no_grad():
@@ -99,9 +103,9 @@ def main() -> int:
             print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  {k[:100]}")
         del g
     meta = {"shape": a.shape, "batch": a.batch, "context": a.context, "budget": a.budget,
-            "compile": a.compile,
+            "compile": a.compile, "fuse": a.fuse,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
-    tag = "-compiled" if a.compile else ""
+    tag = ("-compiled" if a.compile else "") + ("-fused" if a.fuse else "")
     (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"
     )

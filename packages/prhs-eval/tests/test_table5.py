@@ -15,6 +15,7 @@ from prhs_eval.throughput import (
     Method,
     ThroughputPoint,
     compiled_parts,
+    fused_projections,
     kv_bytes_per_token,
     load_points,
     model_config,
@@ -129,6 +130,61 @@ def test_compiled_parts_compile_norms_mlps_and_rotary_then_restore():
     with pytest.raises(ValueError, match="no module whose class name"):
         with compiled_parts(torch.nn.Linear(2, 2)):
             pass
+
+
+def test_fused_projections_run_one_gemm_each_and_compute_what_the_model_did(monkeypatch):
+    import torch.nn.functional as F
+
+    model = random_model(model_config("tiny"), "cpu", torch.float32)
+    ids = torch.randint(0, 512, (2, 5))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    params = sum(p.numel() for p in model.parameters())
+    attn = model.model.layers[0].self_attn
+    mlp = model.model.layers[0].mlp
+    widths = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: widths.append(w.shape[0])
+                        or real_linear(x, w, b))  # fmt: skip
+    with fused_projections(model) as (n_attn, n_mlp):
+        assert (n_attn, n_mlp) == (2, 2)
+        # Each projection's weight is a view of one concatenation: no second copy.
+        assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + (
+            attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+        )
+        assert mlp.up_proj.weight.data_ptr() > mlp.gate_proj.weight.data_ptr()
+        assert sum(p.numel() for p in model.parameters()) == params
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        cfg = model.config
+        hd = cfg.hidden_size // cfg.num_attention_heads
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+        # Per layer: one q/k/v GEMM, o, one gate/up GEMM, down; then the LM head.
+        layer = [qkv, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.hidden_size]
+        assert widths == layer * cfg.num_hidden_layers + [cfg.vocab_size]
+        # k/v called on another input than q's run their own slice (unfused, correct).
+        x = torch.randn(1, 3, cfg.hidden_size)
+        with torch.no_grad():
+            attn.q_proj(torch.randn(1, 3, cfg.hidden_size))
+            torch.testing.assert_close(attn.k_proj(x), real_linear(x, attn.k_proj.weight))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # restored
+    widths.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+    assert len(widths) == 7 * cfg.num_hidden_layers + 1  # the separate projections again
+    with pytest.raises(ValueError, match="no q/k/v or gate/up projections"):
+        with fused_projections(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_table5_fuse_marks_its_rows(tmp_path):
+    out = tmp_path / "results"
+    assert main(["table5", *TINY, "--methods", "sdpa,oracle", "--fuse", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "table5" / "rows.jsonl").read_text().splitlines()]
+    assert [r["fused"] for r in rows] == [True, True]
+    readme = (out / "table5" / "README.md").read_text()
+    assert "| sdpa · fused |" in readme and "`· fused`" in readme
 
 
 def test_a_selector_is_timed_without_statistics_and_counted_in_a_second_run(monkeypatch):

@@ -559,6 +559,11 @@ def _add_table5(sub: Any) -> None:
         help="torch.compile the model's norms, MLPs and rotary embedding (every method alike; "
         "attention is not compiled) with BACKEND (default inductor) before the capture",
     )  # fmt: skip
+    t5.add_argument(
+        "--fuse", action="store_true",
+        help="run each layer's q/k/v projections as one GEMM and its MLP's gate/up as another "
+        "(every method alike; the weights are concatenated once, not copied twice)",
+    )  # fmt: skip
     t5.add_argument("--layers", type=_positive_int, default=None, help="override the depth")
     t5.add_argument(
         "--headroom", type=_positive_int, default=160,
@@ -629,7 +634,7 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pts, ctx = decode_throughput(
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
             layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
-            progress=say,
+            fuse=args.fuse, progress=say,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)
@@ -661,7 +666,9 @@ def _table5_write(parser: argparse.ArgumentParser, args: argparse.Namespace, run
            if graphed else "run eagerly and timed by the wall clock (no CUDA here: not a "
            "throughput figure)")
         + ". `· compiled`: the model's RMS norms, MLPs and rotary embedding ran through "
-        "`torch.compile` (attention did not), for every method of that run"
+        "`torch.compile` (attention did not), for every method of that run; `· fused`: each "
+        "layer's q/k/v projections ran as one GEMM and its gate/up as another, for every "
+        "method of that run"
         + ". `sdpa`: transformers' attention over the static cache; `dense`: prhs's dense "
         "decode kernel; `× dense`: the best of the two over this row. Floor: weights + the "
         "K/V and proxies the method reads per step (its own statistics, kept in a second, "

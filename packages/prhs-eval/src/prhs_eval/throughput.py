@@ -28,6 +28,11 @@ embedding -- goes through ``torch.compile`` (one graph each, shared by every lay
 capture, for every method alike: transformers runs these as ~30 small kernels a layer, which a
 decode step at small batch spends more time launching than streaming. Attention (prhs's or
 transformers') is not compiled.
+
+With ``fuse`` each layer's query/key/value projections run as one GEMM and its MLP's gate and
+up projections as another (:func:`fused_projections`), for every method alike, as serving
+engines do: at a batch of a few rows a projection is a weight stream, and cuBLAS streams one
+wide matrix faster than three narrow ones.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "Method",
     "ThroughputPoint",
     "compiled_parts",
+    "fused_projections",
     "copy_bandwidth",
     "decode_throughput",
     "kv_bytes_per_token",
@@ -254,6 +260,7 @@ class ThroughputPoint:
     state_bytes: int | None = None
     graph: bool = False
     compiled: str | None = None  # the torch.compile backend of the model's parts, if any
+    fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
     skipped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -271,7 +278,8 @@ class ThroughputPoint:
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method, compiled) of an earlier one
+    measured in a later folder replaces the same (shape, B, T, method, compiled, fused) of an earlier
+    one
     (a re-run of what ran out of memory). All must come from one GPU model."""
     import json
     from pathlib import Path
@@ -296,7 +304,7 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
         for line in rows.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 pt = ThroughputPoint.from_dict(json.loads(line))
-                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled)
+                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled, pt.fused)
                 if pt.skipped is None or key not in merged or merged[key].skipped:
                     merged[key] = pt
     order = {s: i for i, s in enumerate(SHAPES)}
@@ -345,6 +353,126 @@ def compiled_parts(model: Any, backend: str = "inductor") -> Iterator[int]:
         for module, fn in rotary:
             module.apply_rotary_pos_emb = fn
         setattr(cfg, limit_name, old_limit)
+
+
+class _SharedProjection:
+    """What one fused GEMM of a layer's q/k/v left for the k and v projections: their slices
+    of the output, keyed by the input tensor they were computed from."""
+
+    def __init__(self) -> None:
+        self.source: torch.Tensor | None = None
+        self.parts: dict[str, torch.Tensor] = {}
+
+
+def _fused_qkv_forward(holder: _SharedProjection, name: str, weight: torch.Tensor,
+                       bias: torch.Tensor | None, splits: list[int],
+                       linear: Any) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """The forward of one of q/k/v: ``q`` computes all three with one GEMM and keeps k's and
+    v's slices; ``k``/``v`` hand theirs out when called on the same input (anything else --
+    another input, another order -- runs their own slice of the weight: correct, unfused)."""
+    import torch.nn.functional as F
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if name == "q":
+            q, k, v = F.linear(x, weight, bias).split(splits, dim=-1)
+            holder.source, holder.parts = x, {"k": k, "v": v}
+            return q
+        part = holder.parts.pop(name, None)
+        if part is not None and holder.source is x:
+            if not holder.parts:
+                holder.source = None
+            return part
+        return linear(x)
+
+    return forward
+
+
+def _fused_mlp_forward(mlp: Any, weight: torch.Tensor, bias: torch.Tensor | None,
+                       inner: int) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """``down(act(gate(x)) * up(x))`` with gate and up as one GEMM."""
+    import torch.nn.functional as F
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, weight, bias).split([inner, inner], dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    return forward
+
+
+def _is_linear(m: Any) -> bool:
+    return isinstance(m, torch.nn.Linear)
+
+
+def _concat_into(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``linears``' stacked along the output dimension; each
+    Linear's parameter becomes a view into it, so the fused model holds no second copy."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([
+            lin.bias.detach() if lin.bias is not None
+            else lin.weight.new_zeros(lin.out_features) for lin in linears
+        ])  # fmt: skip
+    start = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(weight[start : start + n], requires_grad=False)
+        if lin.bias is not None:
+            lin.bias = torch.nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+@contextlib.contextmanager
+def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
+    """Within the block, every attention module with ``q_proj``/``k_proj``/``v_proj`` computes
+    the three with one GEMM, and every MLP with ``gate_proj``/``up_proj``/``down_proj``/
+    ``act_fn`` its gate and up with one; yields (attention modules, MLPs) fused.
+
+    The weights are concatenated once and each projection's parameter becomes a view of the
+    concatenation (no second copy; the values are unchanged, so the model computes what it
+    did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
+    stay views: same values). A model whose modules have other names is left alone; one with
+    neither is an error."""
+    patched: list[tuple[Any, dict[str, Any]]] = []
+    attn = mlps = 0
+    try:
+        for m in model.modules():
+            lins = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+            if all(_is_linear(x) for x in lins):
+                weight, bias = _concat_into(lins)
+                holder = _SharedProjection()
+                splits = [x.out_features for x in lins]
+                saved = {}
+                for name, lin in zip("qkv", lins, strict=True):
+                    saved[name] = lin.__dict__.get("forward")
+                    own = lin.forward
+                    lin.forward = _fused_qkv_forward(holder, name, weight, bias, splits, own)
+                patched.append((lins, saved))
+                attn += 1
+                continue
+            lins = [getattr(m, n, None) for n in ("gate_proj", "up_proj")]
+            if (all(_is_linear(x) for x in lins) and _is_linear(getattr(m, "down_proj", None))
+                    and callable(getattr(m, "act_fn", None))
+                    and lins[0].out_features == lins[1].out_features):  # fmt: skip
+                weight, bias = _concat_into(lins)
+                saved = {"mlp": m.__dict__.get("forward")}
+                m.forward = _fused_mlp_forward(m, weight, bias, lins[0].out_features)
+                patched.append(([m], saved))
+                mlps += 1
+        if not attn and not mlps:
+            raise ValueError(
+                f"{type(model).__name__} has no q/k/v or gate/up projections to fuse"
+            )
+        yield attn, mlps
+    finally:
+        for mods, saved in patched:
+            for mod, old in zip(mods, saved.values(), strict=True):
+                if old is None:
+                    mod.__dict__.pop("forward", None)
+                else:
+                    mod.forward = old
 
 
 def _static_cache(model: Any, batch: int, capacity: int, device: torch.device) -> Any:
@@ -466,6 +594,7 @@ def _measure(
     bw: float,
     device: torch.device,
     compiled: str | None = None,
+    fused: bool = False,
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped).
 
@@ -475,7 +604,7 @@ def _measure(
     whether statistics are kept)."""
     from prhs_eval.integration import enable
 
-    p = ThroughputPoint(shape, b, t, m.label, compiled=compiled)
+    p = ThroughputPoint(shape, b, t, m.label, compiled=compiled, fused=fused)
     summary: dict[str, Any] = {}
     try:
         with torch.no_grad():
@@ -533,6 +662,7 @@ def decode_throughput(
     memory_fraction: float = 0.9,
     seed: int = 0,
     compile: str | None = None,
+    fuse: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
@@ -542,6 +672,8 @@ def decode_throughput(
     ``memory_fraction`` of the device's memory is reported as skipped, not run. ``compile``:
     a ``torch.compile`` backend (``"inductor"``) for the model's norms, MLPs and rotary
     embedding (:func:`compiled_parts`), every method alike; ``None``: eager modules.
+    ``fuse``: each layer's q/k/v and gate/up projections as one GEMM each
+    (:func:`fused_projections`), every method alike.
     """
     device = torch.device(device)
     if headroom < 16:
@@ -552,11 +684,13 @@ def decode_throughput(
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
     with contextlib.ExitStack() as stack:
+        if fuse:  # before compiling: the compiled MLP traces the fused forward
+            stack.enter_context(fused_projections(model))
         if compile is not None:
             stack.enter_context(compiled_parts(model, compile))
         points, bw, params = _run_points(
             model, config, shape, batches, contexts, methods, device, dtype, headroom,
-            memory_fraction, seed, compile, say,
+            memory_fraction, seed, compile, fuse, say,
         )  # fmt: skip
     context = {
         "shape": shape,
@@ -569,6 +703,7 @@ def decode_throughput(
         "kv_bytes_per_token": kv_bytes_per_token(config, dtype),
         "headroom": headroom,
         "compile": compile,
+        "fuse": fuse,
         "methods": [m.label for m in methods],
     }
     del model
@@ -590,6 +725,7 @@ def _run_points(
     memory_fraction: float,
     seed: int,
     compile: str | None,
+    fuse: bool,
     say: Callable[[str], None],
 ) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
@@ -634,6 +770,7 @@ def _run_points(
                     bw,
                     device,
                     compile,
+                    fuse,
                 )
                 for m in methods
             ]
@@ -673,7 +810,7 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
             continue
         kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
         state = None if p.state_bytes is None else p.state_bytes / 1e9
-        method = p.method + (" · compiled" if p.compiled else "")
+        method = p.method + (" · compiled" if p.compiled else "") + (" · fused" if p.fused else "")
         rows.append([
             p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
