@@ -53,9 +53,9 @@ __all__ = [
     "Method",
     "ThroughputPoint",
     "compiled_parts",
-    "fused_projections",
     "copy_bandwidth",
     "decode_throughput",
+    "fused_projections",
     "kv_bytes_per_token",
     "model_config",
     "parse_methods",
@@ -278,9 +278,8 @@ class ThroughputPoint:
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method, compiled, fused) of an earlier
-    one
-    (a re-run of what ran out of memory). All must come from one GPU model."""
+    measured in a later folder replaces the same (shape, B, T, method, compiled, fused) of an
+    earlier one (a re-run of what ran out of memory). All must come from one GPU model."""
     import json
     from pathlib import Path
 
@@ -407,9 +406,8 @@ def _concat_into(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
     """One weight (and bias) holding ``linears``' stacked along the output dimension; each
     Linear's parameter becomes a view into it, so the fused model holds no second copy."""
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
-    has_bias = [lin.bias is not None for lin in linears]
     bias = None
-    if any(has_bias):
+    if any(lin.bias is not None for lin in linears):
         bias = torch.cat([
             lin.bias.detach() if lin.bias is not None
             else lin.weight.new_zeros(lin.out_features) for lin in linears
@@ -435,7 +433,7 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
     did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
     stay views: same values). A model whose modules have other names is left alone; one with
     neither is an error."""
-    patched: list[tuple[Any, dict[str, Any]]] = []
+    patched: list[tuple[Any, Any]] = []  # (module, the forward its instance had, if any)
     attn = mlps = 0
     try:
         for m in model.modules():
@@ -444,12 +442,10 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
                 weight, bias = _concat_into(lins)
                 holder = _SharedProjection()
                 splits = [x.out_features for x in lins]
-                saved = {}
                 for name, lin in zip("qkv", lins, strict=True):
-                    saved[name] = lin.__dict__.get("forward")
+                    patched.append((lin, lin.__dict__.get("forward")))
                     own = lin.forward
                     lin.forward = _fused_qkv_forward(holder, name, weight, bias, splits, own)
-                patched.append((lins, saved))
                 attn += 1
                 continue
             lins = [getattr(m, n, None) for n in ("gate_proj", "up_proj")]
@@ -457,22 +453,18 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
                     and callable(getattr(m, "act_fn", None))
                     and lins[0].out_features == lins[1].out_features):  # fmt: skip
                 weight, bias = _concat_into(lins)
-                saved = {"mlp": m.__dict__.get("forward")}
+                patched.append((m, m.__dict__.get("forward")))
                 m.forward = _fused_mlp_forward(m, weight, bias, lins[0].out_features)
-                patched.append(([m], saved))
                 mlps += 1
         if not attn and not mlps:
-            raise ValueError(
-                f"{type(model).__name__} has no q/k/v or gate/up projections to fuse"
-            )
+            raise ValueError(f"{type(model).__name__} has no q/k/v or gate/up projections to fuse")
         yield attn, mlps
     finally:
-        for mods, saved in patched:
-            for mod, old in zip(mods, saved.values(), strict=True):
-                if old is None:
-                    mod.__dict__.pop("forward", None)
-                else:
-                    mod.forward = old
+        for mod, old in patched:
+            if old is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = old
 
 
 def _static_cache(model: Any, batch: int, capacity: int, device: torch.device) -> Any:
