@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--compile", action="store_true", help="table5 --compile's model parts")
+    ap.add_argument("--compile-scope", choices=("parts", "layers"), default="parts")
     ap.add_argument("--fuse", action="store_true", help="table5 --fuse's fused projections")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
@@ -54,7 +55,7 @@ def main() -> int:
     if a.fuse:
         parts.enter_context(fused_projections(model))
     if a.compile:
-        parts.enter_context(compiled_parts(model))
+        parts.enter_context(compiled_parts(model, scope=a.compile_scope))
     cache = _static_cache(model, a.batch, a.context + headroom, dev)
     _fill(cache, a.context, 0)
     tokens = torch.zeros(a.batch, 1, dtype=torch.long, device=dev)
@@ -103,9 +104,9 @@ def main() -> int:
             print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  {k[:100]}")
         del g
     meta = {"shape": a.shape, "batch": a.batch, "context": a.context, "budget": a.budget,
-            "compile": a.compile, "fuse": a.fuse,
+            "compile": a.compile, "compile_scope": a.compile_scope, "fuse": a.fuse,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
-    tag = ("-compiled" if a.compile else "") + ("-fused" if a.fuse else "")
+    tag = (f"-compiled-{a.compile_scope}" if a.compile else "") + ("-fused" if a.fuse else "")
     (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"
     )

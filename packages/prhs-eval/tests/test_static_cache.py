@@ -179,3 +179,58 @@ def test_right_padded_prompts_are_scored_but_not_decoded(make_tiny):
                   past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
     finally:
         runtime.disable()
+
+
+def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
+    """Between transformers' ops and the selector's, ``attend`` itself issues nothing per layer
+    of an unchecked decode step (the rows' int32 bounds are made once per forward; no K/V is
+    written where no side cache keeps it): counted as the ops one more pair of layers adds,
+    with the selection and the decode kernel stubbed out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import prhs_eval.integration as integration
+    from prhs_eval.throughput import _fill, _static_cache, model_config, random_model
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(
+        integration, "sparse_decode_attention", lambda q, *a, **k: (torch.zeros_like(q), None)
+    )
+
+    def step_ops(layers: int, method: str | None) -> dict[str, int]:
+        model = random_model(model_config("tiny", layers=layers), "cpu", torch.float32)
+        cache = _static_cache(model, 2, 64, torch.device("cpu"))
+        _fill(cache, 40, 0)
+        runtime = None
+        if method is not None:
+            runtime = prhs_eval.enable(model, method, max_seq_len=64, checked=False)
+            runtime.attach(cache, 2)
+            runtime.selector.select = lambda *a, **k: None
+        tokens = torch.zeros(2, 1, dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(2):
+                model(input_ids=tokens, past_key_values=cache)
+            with Count() as count:
+                model(input_ids=tokens, past_key_values=cache)
+        if runtime is not None:
+            runtime.disable()
+        return count.ops
+
+    def per_layer(method: str | None) -> dict[str, float]:
+        a, b = step_ops(2, method), step_ops(4, method)
+        return {k: (b.get(k, 0) - a.get(k, 0)) / 2 for k in set(a) | set(b)}
+
+    got = per_layer("dense")
+    for op in ("aten._to_copy.default", "aten.sub.Tensor", "aten.copy_.default"):
+        assert got.get(op, 0) == 0, (op, got.get(op))
+    # Beside the views it takes, the layer's ops are the model's own (its sdpa's aside).
+    own = per_layer(None)
+    extra = {k for k, v in got.items() if v > own.get(k, 0) and "view" not in k}
+    assert extra <= {"aten.zeros_like.default", "aten.select.int", "aten.unsqueeze.default"}, extra

@@ -132,6 +132,71 @@ def test_compiled_parts_compile_norms_mlps_and_rotary_then_restore():
             pass
 
 
+def test_compiled_layers_trace_each_layer_but_not_prhs_attention():
+    import torch._dynamo
+
+    from prhs_eval.integration import enable
+    from prhs_eval.throughput import _fill, _static_cache
+
+    model = random_model(model_config("tiny"), "cpu", torch.float32)
+    cache = _static_cache(model, 2, 64, torch.device("cpu"))
+    _fill(cache, 40, 0)
+    tokens = torch.zeros(2, 1, dtype=torch.long)
+
+    def decode(steps: int = 3) -> torch.Tensor:
+        _fill(cache, 40, 0)
+        rt = enable(model, "prhs", max_seq_len=64, checked=False, budget=16, block_size=8)
+        rt.attach(cache, 2)
+        out = []
+        with torch.no_grad():
+            for _ in range(steps):
+                out.append(model(input_ids=tokens, past_key_values=cache).logits[:, -1])
+        rt.disable()
+        return torch.stack(out)
+
+    want = decode()
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    with compiled_parts(model, "eager", scope="layers") as n:
+        assert n == 2  # the two decoder layers, nothing else
+        assert torch._dynamo.config.recompile_limit >= 64
+        got = decode()
+        # Each layer compiled (a graph per layer index), broken at prhs's attention call.
+        assert counts["stats"]["unique_graphs"] >= 2
+        breaks = " ".join(counts["graph_break"])
+        assert "torch.compiler.disable" in breaks and "_prhs_attention" in breaks
+    torch.testing.assert_close(got, want)
+    assert torch._dynamo.config.recompile_limit == limit
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    with pytest.raises(ValueError, match="scope must be one of"):
+        with compiled_parts(model, "eager", scope="model"):
+            pass
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+
+
+def test_table5_compile_scope_layers_marks_and_keeps_its_rows(tmp_path):
+    out = tmp_path / "layers"
+    argv = ["table5", *TINY, "--methods", "sdpa,prhs", "--compile", "eager",
+            "--compile-scope", "layers", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "table5" / "rows.jsonl").read_text().splitlines()]
+    assert [(r["compiled"], r["compile_scope"]) for r in rows] == [("eager", "layers")] * 2
+    assert (
+        "| tiny | 2 | 256 | sdpa · compiled layers |" in (out / "table5" / "README.md").read_text()
+    )
+    config = json.loads((out / "table5" / "config.json").read_text())
+    assert config["runs"][0]["compile_scope"] == "layers"
+    parts = tmp_path / "parts"
+    assert (
+        main(["table5", *TINY, "--methods", "sdpa", "--compile", "eager", "--out", str(parts)]) == 0
+    )
+    points, _, _ = load_points([out / "table5", parts / "table5"])
+    assert sorted((p.method, str(p.compile_scope)) for p in points) == [
+        ("prhs[budget=32]", "layers"), ("sdpa", "layers"), ("sdpa", "parts")]  # fmt: skip
+
+
 def test_fused_projections_run_one_gemm_each_and_compute_what_the_model_did(monkeypatch):
     import torch.nn.functional as F
 
@@ -236,6 +301,7 @@ def test_table5_compile_runs_every_method_compiled(tmp_path):
         (["--methods", "dense[nope=1]"], "has no option 'nope'"),
         (["--set", "nope=2"], "no method"),
         (["--headroom", "8"], "at least 16"),
+        (["--compile-scope", "model"], "invalid choice: 'model'"),
         (["--device", "cuda:7"], "cuda"),
         (["--from-rows", "/nonexistent"], "no rows.jsonl"),
     ],

@@ -560,6 +560,12 @@ def _add_table5(sub: Any) -> None:
         "attention is not compiled) with BACKEND (default inductor) before the capture",
     )  # fmt: skip
     t5.add_argument(
+        "--compile-scope", choices=("parts", "layers"), default="parts",
+        help="with --compile: parts (the norms, MLPs and rotary embedding) or layers (each "
+        "decoder layer whole, prhs's attention excluded from tracing; a graph per layer) "
+        "(default parts)",
+    )  # fmt: skip
+    t5.add_argument(
         "--fuse", action="store_true",
         help="run each layer's q/k/v projections as one GEMM and its MLP's gate/up as another "
         "(every method alike; the weights are concatenated once, not copied twice)",
@@ -634,7 +640,7 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pts, ctx = decode_throughput(
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
             layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
-            fuse=args.fuse, progress=say,
+            fuse=args.fuse, compile_scope=args.compile_scope, progress=say,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)

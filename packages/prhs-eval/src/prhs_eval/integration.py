@@ -31,6 +31,11 @@ What it installs (transformers 5.x):
   fresh state. A cache prefilled without prhs gets its state at the first decode step, each
   layer's cached K/V written to the side caches then.
 
+``torch.compile`` does not trace the ``"prhs"`` attention call: a compiled model (or decoder
+layer) breaks its graph there and runs the selector and the decode kernel as they are, so what
+comes before and after it in a layer still compiles (``prhs-eval table5 --compile-scope
+layers``).
+
 On the CPU the plan is *checked* (values validated on the host, a non-finite query raises); on
 CUDA it is not, and a non-finite query is skipped and counted (``runtime.nonfinite_count()``).
 
@@ -137,6 +142,9 @@ def _prhs_mask(*args: Any, **kwargs: Any) -> Any:
     return sdpa_mask(*args, **kwargs)
 
 
+@torch.compiler.disable(
+    reason="prhs's decode step runs its own kernels and is captured in CUDA graphs as it is"
+)
 def _prhs_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -268,7 +276,10 @@ class PrhsRuntime:
         self._cache: Any = None
         self._fresh_prefill = False
         self._row_mask: torch.Tensor | None = None
+        # (start, lens) of each row's cached run, int64, and the same as int32 (what the
+        # kernels take): found at a forward's first full layer, shared by the others.
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows32: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prompt_rows: list[tuple[int, int]] | None = None
         self.enabled = False
 
@@ -397,6 +408,10 @@ class PrhsRuntime:
     def _checked(self, device: torch.device) -> bool:
         return self.checked if self.checked is not None else device.type != "cuda"
 
+    def _keeps_kv(self, held: _CacheState, device: torch.device) -> bool:
+        """Whether written K/V go anywhere: side caches keep them, a checked run checks them."""
+        return held.state.side is not None or self._checked(device)
+
     def _write_kv(
         self,
         held: _CacheState,
@@ -406,8 +421,8 @@ class PrhsRuntime:
     ) -> None:
         """Write the K/V at logical ``positions [B, W]`` (``-1``: none) to the side caches."""
         held.written.add(layer)
-        if held.state.side is None and not self._checked(kv.k.device):
-            return  # nothing keeps them, and nothing checks them
+        if not self._keeps_kv(held, kv.k.device):
+            return
         b, _, t, _ = kv.k.shape
         loc = token_locations(kv, positions, held.state.row_stride)  # -1 where none
         start = kv.start.long() if kv.start is not None else torch.zeros_like(positions[:, 0])
@@ -443,7 +458,7 @@ class PrhsRuntime:
             self._fresh_prefill = False
         else:
             self._fresh_prefill = int(past.get_seq_length()) == 0
-        self._rows = None
+        self._rows = self._rows32 = None
         self._prompt_rows = None
         mask = kwargs.get("attention_mask")
         self._row_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
@@ -516,8 +531,10 @@ class PrhsRuntime:
             last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
             check = tq > 1 or self._checked(query.device)
             self._rows = _row_bounds(last_row, b, tk, query.device, check=check)
+            self._rows32 = (self._rows[0].to(torch.int32), self._rows[1].to(torch.int32))
         start, lens = self._rows
-        kv = ContiguousKV(key, value, lens.to(torch.int32), start.to(torch.int32))
+        start32, lens32 = self._rows32
+        kv = ContiguousKV(key, value, lens32, start32)
         if tq > 1:
             if layer == self._first_layer and self._fresh_prefill:
                 fresh = self._new_state(self._cache, b, key.dtype, query.device)
@@ -561,13 +578,14 @@ class PrhsRuntime:
             held = self._new_state(self._cache, b, key.dtype, query.device)
         plan = self._plan(held, b, scale, query.device)
         if layer == self._first_layer:
-            plan.update(lens.to(torch.int32), held.slots)
-        # The new token's K/V (or, on a cache prefilled without prhs, all of them).
-        if layer in held.written:
-            self._write_kv(held, layer, kv, (lens - 1).view(-1, 1))
-        else:
+            plan.update(lens32, held.slots)
+        # The new token's K/V (or, on a cache prefilled without prhs, all of them), where
+        # anything keeps or checks them: a step of a selector without side caches adds no work.
+        if layer not in held.written:
             self._write_kv(held, layer, kv, self._all_positions(kv))
-        kv = ContiguousKV(key, value, plan.seq_lens, start.to(torch.int32))
+        elif self._keeps_kv(held, query.device):
+            self._write_kv(held, layer, kv, (lens - 1).view(-1, 1))
+        kv = ContiguousKV(key, value, plan.seq_lens, start32)
         q = query[:, :, 0]
         selection = self.selector.select(plan, layer, q, kv, held.state)
         if self.observers:

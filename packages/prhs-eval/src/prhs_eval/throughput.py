@@ -260,6 +260,7 @@ class ThroughputPoint:
     state_bytes: int | None = None
     graph: bool = False
     compiled: str | None = None  # the torch.compile backend of the model's parts, if any
+    compile_scope: str | None = None  # what it compiled (COMPILE_SCOPES); None: "parts"
     fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
     skipped: str | None = None
 
@@ -278,7 +279,7 @@ class ThroughputPoint:
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method, compiled, fused) of an
+    measured in a later folder replaces the same (shape, B, T, method, compiled, scope, fused) of an
     earlier one (a re-run of what ran out of memory). All must come from one GPU model."""
     import json
     from pathlib import Path
@@ -303,7 +304,8 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
         for line in rows.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 pt = ThroughputPoint.from_dict(json.loads(line))
-                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled, pt.fused)
+                scope = (pt.compile_scope or "parts") if pt.compiled else None
+                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled, scope, pt.fused)
                 if pt.skipped is None or key not in merged or merged[key].skipped:
                     merged[key] = pt
     order = {s: i for i, s in enumerate(SHAPES)}
@@ -312,35 +314,56 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
     return points, runs, machine
 
 
-#: The modules ``compiled_parts`` compiles, by class-name suffix (transformers' Llama family).
+#: The modules ``compiled_parts`` compiles, by class-name suffix (transformers' Llama family):
+#: ``scope="parts"`` the norms and MLPs, ``scope="layers"`` each decoder layer whole.
 COMPILED_MODULES = ("RMSNorm", "MLP")
+COMPILED_LAYERS = ("DecoderLayer",)
+COMPILE_SCOPES = ("parts", "layers")
 
 
 @contextlib.contextmanager
-def compiled_parts(model: Any, backend: str = "inductor") -> Iterator[int]:
-    """Within the block, the model's RMS norms and MLPs (modules whose class name ends in
-    :data:`COMPILED_MODULES`) and its modeling module's ``apply_rotary_pos_emb`` run through
-    ``torch.compile(backend=backend, dynamic=False)``; yields how many modules were compiled.
-    Everything is restored on exit. The attention call is left alone: prhs's decode path has
-    its own kernels and transformers' sdpa is one call."""
+def compiled_parts(model: Any, backend: str = "inductor", scope: str = "parts") -> Iterator[int]:
+    """Within the block, parts of the model run through ``torch.compile(backend=backend,
+    dynamic=False)``; yields how many modules were compiled. Everything is restored on exit.
+
+    ``scope="parts"``: the RMS norms and MLPs (modules whose class name ends in
+    :data:`COMPILED_MODULES`) and the modeling module's ``apply_rotary_pos_emb``; the attention
+    call is left alone (prhs's decode path has its own kernels and transformers' sdpa is one
+    call). ``scope="layers"``: each decoder layer whole (class names ending in
+    :data:`COMPILED_LAYERS`), so that Inductor also fuses what lies between the parts -- the
+    residual adds into the norms, the rotary embedding into the cache write. transformers'
+    sdpa is traced with the layer; prhs's attention is not (it is excluded from tracing, see
+    :mod:`prhs_eval.integration`): each layer compiles to the graphs before and after it.
+    Dynamo specialises on each layer's index, so ``layers`` compiles a graph per layer and per
+    batch size the first time each runs."""
     import torch._dynamo
 
-    mods = [m for m in model.modules() if type(m).__name__.endswith(COMPILED_MODULES)]
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    suffixes = COMPILED_LAYERS if scope == "layers" else COMPILED_MODULES
+    mods = [m for m in model.modules() if type(m).__name__.endswith(suffixes)]
     if not mods:
         raise ValueError(
-            f"{type(model).__name__} has no module whose class name ends in {COMPILED_MODULES}"
+            f"{type(model).__name__} has no module whose class name ends in {suffixes}"
         )
     cfg = torch._dynamo.config
-    limit_name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    old_limit = getattr(cfg, limit_name)
+    # The recompile limits raised for the block (per code object, and over all its graphs;
+    # older torch names them cache_size_limit), and their old values.
+    names = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+             "accumulated_cache_size_limit")  # fmt: skip
+    limits = {name: getattr(cfg, name) for name in names if hasattr(cfg, name)}
     rotary = []  # (module, original) of each modeling module that defines it
-    for name in dict.fromkeys(type(m).__module__ for m in model.modules()):
-        module = sys.modules.get(name)
-        fn = getattr(module, "apply_rotary_pos_emb", None)
-        if callable(fn):
-            rotary.append((module, fn))
+    if scope == "parts":
+        for name in dict.fromkeys(type(m).__module__ for m in model.modules()):
+            module = sys.modules.get(name)
+            fn = getattr(module, "apply_rotary_pos_emb", None)
+            if callable(fn):
+                rotary.append((module, fn))
+    # A graph per batch size and module type (parts); per layer, batch size and cache (layers).
+    want = 64 if scope == "parts" else max(64, 16 * len(mods))
     try:
-        setattr(cfg, limit_name, max(old_limit, 64))  # a graph per batch size and module type
+        for name, old in limits.items():
+            setattr(cfg, name, max(old, want if "accumulated" not in name else 8 * want))
         for m in mods:
             m.compile(backend=backend, dynamic=False)
         for module, fn in rotary:
@@ -351,7 +374,8 @@ def compiled_parts(model: Any, backend: str = "inductor") -> Iterator[int]:
             m._compiled_call_impl = None
         for module, fn in rotary:
             module.apply_rotary_pos_emb = fn
-        setattr(cfg, limit_name, old_limit)
+        for name, old in limits.items():
+            setattr(cfg, name, old)
 
 
 class _SharedProjection:
@@ -587,6 +611,7 @@ def _measure(
     device: torch.device,
     compiled: str | None = None,
     fused: bool = False,
+    compile_scope: str | None = None,
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped).
 
@@ -596,7 +621,15 @@ def _measure(
     whether statistics are kept)."""
     from prhs_eval.integration import enable
 
-    p = ThroughputPoint(shape, b, t, m.label, compiled=compiled, fused=fused)
+    p = ThroughputPoint(
+        shape,
+        b,
+        t,
+        m.label,
+        compiled=compiled,
+        fused=fused,
+        compile_scope=compile_scope if compiled else None,
+    )
     summary: dict[str, Any] = {}
     try:
         with torch.no_grad():
@@ -655,6 +688,7 @@ def decode_throughput(
     seed: int = 0,
     compile: str | None = None,
     fuse: bool = False,
+    compile_scope: str = "parts",
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
@@ -663,7 +697,8 @@ def decode_throughput(
     A (B, T) whose weights, K/V and ``headroom`` decode positions do not fit in
     ``memory_fraction`` of the device's memory is reported as skipped, not run. ``compile``:
     a ``torch.compile`` backend (``"inductor"``) for the model's norms, MLPs and rotary
-    embedding (:func:`compiled_parts`), every method alike; ``None``: eager modules.
+    embedding, or with ``compile_scope="layers"`` each decoder layer whole
+    (:func:`compiled_parts`), every method alike; ``None``: eager modules.
     ``fuse``: each layer's q/k/v and gate/up projections as one GEMM each
     (:func:`fused_projections`), every method alike.
     """
@@ -672,6 +707,8 @@ def decode_throughput(
         raise ValueError(f"headroom must be >= 16 decode positions, got {headroom}")
     if compile is not None and not (isinstance(compile, str) and compile):
         raise ValueError(f"compile must be a torch.compile backend name or None, got {compile!r}")
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     say = progress or (lambda _m: None)
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
@@ -679,10 +716,10 @@ def decode_throughput(
         if fuse:  # before compiling: the compiled MLP traces the fused forward
             stack.enter_context(fused_projections(model))
         if compile is not None:
-            stack.enter_context(compiled_parts(model, compile))
+            stack.enter_context(compiled_parts(model, compile, compile_scope))
         points, bw, params = _run_points(
             model, config, shape, batches, contexts, methods, device, dtype, headroom,
-            memory_fraction, seed, compile, fuse, say,
+            memory_fraction, seed, compile, fuse, compile_scope, say,
         )  # fmt: skip
     context = {
         "shape": shape,
@@ -695,6 +732,7 @@ def decode_throughput(
         "kv_bytes_per_token": kv_bytes_per_token(config, dtype),
         "headroom": headroom,
         "compile": compile,
+        "compile_scope": compile_scope if compile is not None else None,
         "fuse": fuse,
         "methods": [m.label for m in methods],
     }
@@ -718,6 +756,7 @@ def _run_points(
     seed: int,
     compile: str | None,
     fuse: bool,
+    compile_scope: str,
     say: Callable[[str], None],
 ) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
@@ -763,6 +802,7 @@ def _run_points(
                     device,
                     compile,
                     fuse,
+                    compile_scope,
                 )
                 for m in methods
             ]
@@ -802,7 +842,10 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
             continue
         kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
         state = None if p.state_bytes is None else p.state_bytes / 1e9
-        method = p.method + (" · compiled" if p.compiled else "") + (" · fused" if p.fused else "")
+        compiled = ""
+        if p.compiled:
+            compiled = " · compiled layers" if p.compile_scope == "layers" else " · compiled"
+        method = p.method + compiled + (" · fused" if p.fused else "")
         rows.append([
             p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
