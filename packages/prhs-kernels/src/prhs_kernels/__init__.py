@@ -9,6 +9,7 @@
 - :mod:`prhs_kernels.cis` -- the CIS step (decide, block scores, top-k, compose);
 - :mod:`prhs_kernels.quest` -- Quest's page scores;
 - :mod:`prhs_kernels.prefill` -- PSAW prefill attention;
+- :mod:`prhs_kernels.gemm` -- decode-size linear layers as one weight stream;
 - :mod:`prhs_kernels.paths` -- which path an op takes, and the Numba warm-up.
 
 Every op keeps shapes static and reads no device value on the host, so a decode step built from
@@ -19,6 +20,7 @@ fast path is tested against its reference.
 
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.compose import dilate_indices, union_indices, window_indices, window_widths
+from prhs_kernels.gemm import decode_linear
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "block_reduce",
+    "decode_linear",
     "dilate_indices",
     "gather_kv",
     "max_key_norm",
