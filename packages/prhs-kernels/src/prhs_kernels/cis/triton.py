@@ -127,8 +127,8 @@ def _decide_kernel(
     finite = (q == q) & (tl.abs(q) < float("inf"))
     bad = tl.sum(tl.sum((mask & ~finite).to(tl.int32), 1), 0) > 0
     tl.store(BAD + pid, bad.to(tl.int8))
-    if COUNT:
-        tl.atomic_add(NONFINITE, bad.to(tl.int64))
+    if COUNT:  # only the (rare) bad rows touch the counter: no atomics on a clean step
+        tl.atomic_add(NONFINITE, bad.to(tl.int64), mask=bad)
     a_ptr = AQ + slot * stride_aq_n + h * stride_aq_h + offs_g[:, None] * stride_aq_g
     qa = tl.load(a_ptr + offs_d[None, :], mask=mask, other=0.0)
     eps = 1e-8
