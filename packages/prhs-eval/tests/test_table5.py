@@ -243,6 +243,58 @@ def test_fused_projections_run_one_gemm_each_and_compute_what_the_model_did(monk
             pass
 
 
+def test_decode_gemms_route_every_linear_and_the_fused_ones_through_prhs(monkeypatch):
+    import prhs_kernels.gemm
+    from prhs_eval.throughput import decode_gemms
+
+    model = random_model(model_config("tiny"), "cpu", torch.float32)
+    ids = torch.randint(0, 512, (2, 1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    widths: list[int] = []
+    real = prhs_kernels.gemm.decode_linear
+
+    def counted(x, weight, bias=None):
+        widths.append(weight.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(prhs_kernels.gemm, "decode_linear", counted)
+    cfg = model.config
+    qkv = cfg.hidden_size + 2 * cfg.num_key_value_heads * (
+        cfg.hidden_size // cfg.num_attention_heads
+    )
+    for fuse, per_layer in ((False, 7), (True, 4)):
+        widths.clear()
+        with decode_gemms(model, fuse=fuse) as n, torch.no_grad():
+            # Every Linear but the fused q/k/v (their forwards are the fused GEMM's), LM head too.
+            assert n == (4 if fuse else 7) * 2 + 1
+            got = model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert len(widths) == per_layer * 2 + 1 and widths[-1] == cfg.vocab_size
+        if fuse:  # one q/k/v GEMM and one gate|up GEMM per layer
+            assert widths[:4] == [qkv, cfg.hidden_size, 2 * cfg.intermediate_size,
+                                  cfg.hidden_size]  # fmt: skip
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match="no nn\\.Linear"):
+        with decode_gemms(torch.nn.ReLU()):
+            pass
+
+
+def test_table5_gemm_triton_marks_its_rows(tmp_path):
+    out = tmp_path / "r"
+    argv = ["table5", *TINY, "--methods", "sdpa,prhs", "--gemm", "triton", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "table5" / "rows.jsonl").read_text().splitlines()]
+    assert [r["gemm"] for r in rows] == ["triton", "triton"]
+    readme = (out / "table5" / "README.md").read_text()
+    assert "| tiny | 2 | 256 | sdpa · triton GEMMs |" in readme and "prhs_kernels.gemm" in readme
+    cublas = tmp_path / "c"
+    assert main(["table5", *TINY, "--methods", "sdpa", "--out", str(cublas)]) == 0
+    points, _, _ = load_points([out / "table5", cublas / "table5"])
+    assert sorted((p.method, str(p.gemm)) for p in points) == [
+        ("prhs[budget=32]", "triton"), ("sdpa", "None"), ("sdpa", "triton")]  # fmt: skip
+
+
 def test_table5_fuse_marks_its_rows(tmp_path):
     out = tmp_path / "results"
     assert main(["table5", *TINY, "--methods", "sdpa,oracle", "--fuse", "--out", str(out)]) == 0
@@ -302,6 +354,7 @@ def test_table5_compile_runs_every_method_compiled(tmp_path):
         (["--set", "nope=2"], "no method"),
         (["--headroom", "8"], "at least 16"),
         (["--compile-scope", "model"], "invalid choice: 'model'"),
+        (["--gemm", "cutlass"], "invalid choice: 'cutlass'"),
         (["--device", "cuda:7"], "cuda"),
         (["--from-rows", "/nonexistent"], "no rows.jsonl"),
     ],

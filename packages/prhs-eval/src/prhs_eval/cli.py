@@ -570,6 +570,11 @@ def _add_table5(sub: Any) -> None:
         help="run each layer's q/k/v projections as one GEMM and its MLP's gate/up as another "
         "(every method alike; the weights are concatenated once, not copied twice)",
     )  # fmt: skip
+    t5.add_argument(
+        "--gemm", choices=("cublas", "triton"), default="cublas",
+        help="the linear layers' GEMMs: cublas (F.linear) or triton (prhs_kernels.gemm's "
+        "weight stream at decode sizes; every method alike) (default cublas)",
+    )  # fmt: skip
     t5.add_argument("--layers", type=_positive_int, default=None, help="override the depth")
     t5.add_argument(
         "--headroom", type=_positive_int, default=160,
@@ -640,7 +645,7 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pts, ctx = decode_throughput(
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
             layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
-            fuse=args.fuse, compile_scope=args.compile_scope, progress=say,
+            fuse=args.fuse, compile_scope=args.compile_scope, gemm=args.gemm, progress=say,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)
@@ -672,9 +677,12 @@ def _table5_write(parser: argparse.ArgumentParser, args: argparse.Namespace, run
            if graphed else "run eagerly and timed by the wall clock (no CUDA here: not a "
            "throughput figure)")
         + ". `· compiled`: the model's RMS norms, MLPs and rotary embedding ran through "
-        "`torch.compile` (attention did not), for every method of that run; `· fused`: each "
-        "layer's q/k/v projections ran as one GEMM and its gate/up as another, for every "
-        "method of that run"
+        "`torch.compile` (attention did not), for every method of that run; `· compiled "
+        "layers`: each decoder layer did, whole (prhs's attention excluded from tracing); "
+        "`· fused`: each layer's q/k/v projections ran as one GEMM and its gate/up as "
+        "another, for every method of that run; `· triton GEMMs`: every linear layer ran "
+        "prhs's decode GEMM (`prhs_kernels.gemm`) instead of cuBLAS, for every method of that "
+        "run"
         + ". `sdpa`: transformers' attention over the static cache; `dense`: prhs's dense "
         "decode kernel; `× dense`: the best of the two over this row. Floor: weights + the "
         "K/V and proxies the method reads per step (its own statistics, kept in a second, "

@@ -54,6 +54,7 @@ __all__ = [
     "ThroughputPoint",
     "compiled_parts",
     "copy_bandwidth",
+    "decode_gemms",
     "decode_throughput",
     "fused_projections",
     "kv_bytes_per_token",
@@ -262,6 +263,7 @@ class ThroughputPoint:
     compiled: str | None = None  # the torch.compile backend of the model's parts, if any
     compile_scope: str | None = None  # what it compiled (COMPILE_SCOPES); None: "parts"
     fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
+    gemm: str | None = None  # "triton": the linear layers through decode_gemms; None: cuBLAS
     skipped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -279,7 +281,8 @@ class ThroughputPoint:
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method, compiled, scope, fused) of an
+    measured in a later folder replaces the same (shape, B, T, method, compiled, scope, fused,
+    GEMM) of an
     earlier one (a re-run of what ran out of memory). All must come from one GPU model."""
     import json
     from pathlib import Path
@@ -305,7 +308,17 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
             if line.strip():
                 pt = ThroughputPoint.from_dict(json.loads(line))
                 scope = (pt.compile_scope or "parts") if pt.compiled else None
-                key = (pt.shape, pt.batch, pt.context, pt.method, pt.compiled, scope, pt.fused)
+                gemm = pt.gemm or "cublas"
+                key = (
+                    pt.shape,
+                    pt.batch,
+                    pt.context,
+                    pt.method,
+                    pt.compiled,
+                    scope,
+                    pt.fused,
+                    gemm,
+                )
                 if pt.skipped is None or key not in merged or merged[key].skipped:
                     merged[key] = pt
     order = {s: i for i, s in enumerate(SHAPES)}
@@ -388,16 +401,17 @@ class _SharedProjection:
 
 
 def _fused_qkv_forward(holder: _SharedProjection, name: str, weight: torch.Tensor,
-                       bias: torch.Tensor | None, splits: list[int],
-                       linear: Any) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
-    """The forward of one of q/k/v: ``q`` computes all three with one GEMM and keeps k's and
-    v's slices; ``k``/``v`` hand theirs out when called on the same input (anything else --
-    another input, another order -- runs their own slice of the weight: correct, unfused)."""
-    import torch.nn.functional as F
+                       bias: torch.Tensor | None, splits: list[int], own: Any,
+                       linear: Callable[..., torch.Tensor]
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """The forward of one of q/k/v: ``q`` computes all three with one GEMM (``linear``) and
+    keeps k's and v's slices; ``k``/``v`` hand theirs out when called on the same input
+    (anything else -- another input, another order -- runs their ``own`` forward: correct,
+    unfused)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if name == "q":
-            q, k, v = F.linear(x, weight, bias).split(splits, dim=-1)
+            q, k, v = linear(x, weight, bias).split(splits, dim=-1)
             holder.source, holder.parts = x, {"k": k, "v": v}
             return q
         part = holder.parts.pop(name, None)
@@ -405,18 +419,18 @@ def _fused_qkv_forward(holder: _SharedProjection, name: str, weight: torch.Tenso
             if not holder.parts:
                 holder.source = None
             return part
-        return linear(x)
+        return own(x)
 
     return forward
 
 
-def _fused_mlp_forward(mlp: Any, weight: torch.Tensor, bias: torch.Tensor | None,
-                       inner: int) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
-    """``down(act(gate(x)) * up(x))`` with gate and up as one GEMM."""
-    import torch.nn.functional as F
+def _fused_mlp_forward(mlp: Any, weight: torch.Tensor, bias: torch.Tensor | None, inner: int,
+                       linear: Callable[..., torch.Tensor]
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """``down(act(gate(x)) * up(x))`` with gate and up as one GEMM (``linear``)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, weight, bias).split([inner, inner], dim=-1)
+        gate, up = linear(x, weight, bias).split([inner, inner], dim=-1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     return forward
@@ -447,16 +461,22 @@ def _concat_into(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
 
 
 @contextlib.contextmanager
-def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
+def fused_projections(
+    model: Any, linear: Callable[..., torch.Tensor] | None = None
+) -> Iterator[tuple[int, int]]:
     """Within the block, every attention module with ``q_proj``/``k_proj``/``v_proj`` computes
     the three with one GEMM, and every MLP with ``gate_proj``/``up_proj``/``down_proj``/
-    ``act_fn`` its gate and up with one; yields (attention modules, MLPs) fused.
+    ``act_fn`` its gate and up with one; yields (attention modules, MLPs) fused. ``linear``
+    (``F.linear`` by default; :func:`decode_gemms` passes prhs's) runs each fused GEMM.
 
     The weights are concatenated once and each projection's parameter becomes a view of the
     concatenation (no second copy; the values are unchanged, so the model computes what it
     did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
     stay views: same values). A model whose modules have other names is left alone; one with
     neither is an error."""
+    import torch.nn.functional as F
+
+    linear = linear or F.linear
     patched: list[tuple[Any, Any]] = []  # (module, the forward its instance had, if any)
     attn = mlps = 0
     try:
@@ -469,7 +489,9 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
                 for name, lin in zip("qkv", lins, strict=True):
                     patched.append((lin, lin.__dict__.get("forward")))
                     own = lin.forward
-                    lin.forward = _fused_qkv_forward(holder, name, weight, bias, splits, own)
+                    lin.forward = _fused_qkv_forward(
+                        holder, name, weight, bias, splits, own, linear
+                    )
                 attn += 1
                 continue
             lins = [getattr(m, n, None) for n in ("gate_proj", "up_proj")]
@@ -478,7 +500,7 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
                     and lins[0].out_features == lins[1].out_features):  # fmt: skip
                 weight, bias = _concat_into(lins)
                 patched.append((m, m.__dict__.get("forward")))
-                m.forward = _fused_mlp_forward(m, weight, bias, lins[0].out_features)
+                m.forward = _fused_mlp_forward(m, weight, bias, lins[0].out_features, linear)
                 mlps += 1
         if not attn and not mlps:
             raise ValueError(f"{type(model).__name__} has no q/k/v or gate/up projections to fuse")
@@ -489,6 +511,45 @@ def fused_projections(model: Any) -> Iterator[tuple[int, int]]:
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = old
+
+
+#: What ``--gemm`` may name: cuBLAS (``F.linear``) or prhs's decode GEMM.
+GEMMS = ("cublas", "triton")
+
+
+@contextlib.contextmanager
+def decode_gemms(model: Any, fuse: bool = False) -> Iterator[int]:
+    """Within the block, every ``nn.Linear`` of the model (the projections, the MLP, the LM
+    head) runs :func:`prhs_kernels.gemm.decode_linear` -- a Triton weight stream at decode
+    sizes (at most 16 rows on CUDA, fp16/bf16), ``F.linear`` otherwise -- and with ``fuse`` the
+    fused q/k/v and gate/up GEMMs of :func:`fused_projections` too (entered here). Yields the
+    linear layers rerouted; every forward is restored on exit."""
+    from prhs_kernels.gemm import decode_linear
+
+    with contextlib.ExitStack() as stack:
+        if fuse:
+            stack.enter_context(fused_projections(model, linear=decode_linear))
+        patched = []  # the Linears whose forward this block set (fused ones keep theirs)
+        try:
+            for mod in model.modules():
+                if isinstance(mod, torch.nn.Linear) and "forward" not in mod.__dict__:
+                    mod.forward = _decode_linear_forward(mod, decode_linear)
+                    patched.append(mod)
+            if not patched:
+                raise ValueError(f"{type(model).__name__} has no nn.Linear to run")
+            yield len(patched)
+        finally:
+            for mod in patched:
+                mod.__dict__.pop("forward", None)
+
+
+def _decode_linear_forward(
+    lin: torch.nn.Linear, linear: Callable[..., torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, lin.weight, lin.bias)
+
+    return forward
 
 
 def _static_cache(model: Any, batch: int, capacity: int, device: torch.device) -> Any:
@@ -612,6 +673,7 @@ def _measure(
     compiled: str | None = None,
     fused: bool = False,
     compile_scope: str | None = None,
+    gemm: str = "cublas",
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped).
 
@@ -629,6 +691,7 @@ def _measure(
         compiled=compiled,
         fused=fused,
         compile_scope=compile_scope if compiled else None,
+        gemm=None if gemm == "cublas" else gemm,
     )
     summary: dict[str, Any] = {}
     try:
@@ -689,6 +752,7 @@ def decode_throughput(
     compile: str | None = None,
     fuse: bool = False,
     compile_scope: str = "parts",
+    gemm: str = "cublas",
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
@@ -700,7 +764,8 @@ def decode_throughput(
     embedding, or with ``compile_scope="layers"`` each decoder layer whole
     (:func:`compiled_parts`), every method alike; ``None``: eager modules.
     ``fuse``: each layer's q/k/v and gate/up projections as one GEMM each
-    (:func:`fused_projections`), every method alike.
+    (:func:`fused_projections`), every method alike. ``gemm="triton"``: every linear layer
+    through prhs's decode GEMM (:func:`decode_gemms`), every method alike.
     """
     device = torch.device(device)
     if headroom < 16:
@@ -709,17 +774,22 @@ def decode_throughput(
         raise ValueError(f"compile must be a torch.compile backend name or None, got {compile!r}")
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     say = progress or (lambda _m: None)
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
     with contextlib.ExitStack() as stack:
-        if fuse:  # before compiling: the compiled MLP traces the fused forward
+        # Before compiling: the compiled modules trace the fused / rerouted forwards.
+        if gemm == "triton":
+            stack.enter_context(decode_gemms(model, fuse))
+        elif fuse:
             stack.enter_context(fused_projections(model))
         if compile is not None:
             stack.enter_context(compiled_parts(model, compile, compile_scope))
         points, bw, params = _run_points(
             model, config, shape, batches, contexts, methods, device, dtype, headroom,
-            memory_fraction, seed, compile, fuse, compile_scope, say,
+            memory_fraction, seed, compile, fuse, compile_scope, gemm, say,
         )  # fmt: skip
     context = {
         "shape": shape,
@@ -733,6 +803,7 @@ def decode_throughput(
         "headroom": headroom,
         "compile": compile,
         "compile_scope": compile_scope if compile is not None else None,
+        "gemm": gemm,
         "fuse": fuse,
         "methods": [m.label for m in methods],
     }
@@ -757,6 +828,7 @@ def _run_points(
     compile: str | None,
     fuse: bool,
     compile_scope: str,
+    gemm: str,
     say: Callable[[str], None],
 ) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
@@ -803,6 +875,7 @@ def _run_points(
                     compile,
                     fuse,
                     compile_scope,
+                    gemm,
                 )
                 for m in methods
             ]
@@ -846,6 +919,7 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
         if p.compiled:
             compiled = " · compiled layers" if p.compile_scope == "layers" else " · compiled"
         method = p.method + compiled + (" · fused" if p.fused else "")
+        method += " · triton GEMMs" if p.gemm == "triton" else ""
         rows.append([
             p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
