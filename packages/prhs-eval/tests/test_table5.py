@@ -382,3 +382,32 @@ def test_table_folder_is_replaced_whole_and_checked(tmp_path):
         write_table_folder(tmp_path, "table2", rows=[], **common)
     assert markdown_table(["h"], [["a|b"]]).splitlines()[2] == "| a\\|b |"
     assert rst_table(["h", "i"], [["1", ""]]).count("* -") == 2
+
+
+def test_the_figure_keeps_one_bar_per_method_and_configuration(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from prhs_eval.throughput import point_label, table5_figure
+
+    base = dict(shape="tiny", batch=2, context=256, method="prhs", ms_per_step=1.0,
+                tokens_per_s=2000.0, floor_ms=0.5)  # fmt: skip
+    points = [
+        ThroughputPoint(**base),
+        ThroughputPoint(**base, compiled="inductor", fused=True),
+        ThroughputPoint(
+            **base, compiled="inductor", compile_scope="layers", fused=True, gemm="triton"
+        ),
+    ]
+    labels = [point_label(p) for p in points]
+    assert labels == ["prhs", "prhs · compiled · fused",
+                      "prhs · compiled layers · fused · triton GEMMs"]  # fmt: skip
+    seen: list[str] = []
+    real = matplotlib.axes.Axes.bar
+
+    def bar(self, *args, **kwargs):
+        seen.append(kwargs.get("label"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    table5_figure(points, tmp_path / "f.png")
+    assert seen == labels and (tmp_path / "f.png").stat().st_size > 0

@@ -915,11 +915,7 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
             continue
         kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
         state = None if p.state_bytes is None else p.state_bytes / 1e9
-        compiled = ""
-        if p.compiled:
-            compiled = " · compiled layers" if p.compile_scope == "layers" else " · compiled"
-        method = p.method + compiled + (" · fused" if p.fused else "")
-        method += " · triton GEMMs" if p.gemm == "triton" else ""
+        method = point_label(p)
         rows.append([
             p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
@@ -927,6 +923,16 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
             _f(state, ".2f"),
         ])  # fmt: skip
     return rows
+
+
+def point_label(p: ThroughputPoint) -> str:
+    """A point's method and how the model around it ran: ``prhs[...] · compiled layers ·
+    fused · triton GEMMs``."""
+    label = p.method
+    if p.compiled:
+        label += " · compiled layers" if p.compile_scope == "layers" else " · compiled"
+    label += " · fused" if p.fused else ""
+    return label + (" · triton GEMMs" if p.gemm == "triton" else "")
 
 
 def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
@@ -937,16 +943,16 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(p.shape for p in points))
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, 4.2 * len(shapes)), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(12, 6.0 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes, strict=True):
         pts = [p for p in points if p.shape == shape and not p.skipped]
         cells = list(dict.fromkeys((p.batch, p.context) for p in pts))
-        methods = list(dict.fromkeys(p.method for p in pts))
+        methods = list(dict.fromkeys(point_label(p) for p in pts))
         width = 0.8 / max(len(methods), 1)
         for j, m in enumerate(methods):
             xs, ys, floors = [], [], []
             for i, c in enumerate(cells):
-                hit = [p for p in pts if (p.batch, p.context) == c and p.method == m]
+                hit = [p for p in pts if (p.batch, p.context) == c and point_label(p) == m]
                 if hit and hit[0].tokens_per_s:
                     xs.append(i + (j - (len(methods) - 1) / 2) * width)
                     ys.append(hit[0].tokens_per_s)
@@ -958,7 +964,7 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("tokens / s")
         ax.set_title(f"{shape}: decode throughput (black ticks: each bar's byte floor)")
-        ax.legend(fontsize=8, ncol=min(len(methods), 5), loc="upper center",
+        ax.legend(fontsize=7, ncol=min(len(methods), 3), loc="upper center",
                   bbox_to_anchor=(0.5, -0.12), frameon=False)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
