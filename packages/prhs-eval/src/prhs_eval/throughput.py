@@ -279,11 +279,18 @@ class ThroughputPoint:
         return cls(**dict(row))
 
 
+def _join_key(p: ThroughputPoint) -> tuple:
+    """What makes two rows the same point: (shape, B, T, method, compile backend and scope,
+    fused, GEMM); rows written before a field existed read as its default."""
+    scope = (p.compile_scope or "parts") if p.compiled else None
+    return (p.shape, p.batch, p.context, p.method, p.compiled, scope, p.fused, p.gemm or "cublas")
+
+
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
     """The points, run contexts and machine of earlier ``table5`` folders, joined: a point
-    measured in a later folder replaces the same (shape, B, T, method, compiled, scope, fused,
-    GEMM) of an
-    earlier one (a re-run of what ran out of memory). All must come from one GPU model."""
+    measured in a later folder replaces the same point (:func:`_join_key`: shape, B, T, method
+    and how the model ran) of an earlier one (a re-run of what ran out of memory). All must
+    come from one GPU model."""
     import json
     from pathlib import Path
 
@@ -307,18 +314,7 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
         for line in rows.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 pt = ThroughputPoint.from_dict(json.loads(line))
-                scope = (pt.compile_scope or "parts") if pt.compiled else None
-                gemm = pt.gemm or "cublas"
-                key = (
-                    pt.shape,
-                    pt.batch,
-                    pt.context,
-                    pt.method,
-                    pt.compiled,
-                    scope,
-                    pt.fused,
-                    gemm,
-                )
+                key = _join_key(pt)
                 if pt.skipped is None or key not in merged or merged[key].skipped:
                     merged[key] = pt
     order = {s: i for i, s in enumerate(SHAPES)}
