@@ -163,6 +163,29 @@ def test_block_scores_match_the_reference(make_kv, s, n_sink, n_local, score):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_block_scores_without_the_idle_fill_write_the_active_rows_only(make_kv):
+    lens = [900, 40, 300]
+    data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=5)
+    q = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(5)).bfloat16()
+    active = torch.tensor([[True, False], [False, False], [False, True]])
+    kv = data.layouts["contig"]
+    kw = dict(block_size=8, n_sink=4, n_local=32)
+    want = retrieval_block_scores(q, kv, 0.25, active, **kw, path="torch")
+    got = retrieval_block_scores(q, kv, 0.25, active, **kw, fill_idle=False, path=PATH)
+    torch.testing.assert_close(got[active], want[active], rtol=1e-5, atol=1e-7)
+    # What the idle rows hold does not reach a ranking: poisoned, they still rank as nothing.
+    poisoned = got.clone()
+    poisoned[~active] = float("nan")
+    poisoned[1, 0, :5] = float("inf")
+    for path in (PATH, "torch"):
+        idx, val = top_blocks(poisoned, 6, active, path=path)
+        ref_idx, _ = top_blocks(want, 6, active, path=path)
+        assert torch.equal(idx[active], ref_idx[active]), path
+        assert torch.isneginf(val[~active]).all(), path
+        if path == PATH:
+            assert (idx[~active] == -1).all()
+
+
 def test_block_scores_tiles_of_1024_positions(monkeypatch, make_kv):
     # One work item per row: tiles of 1024 positions (what rows of 64k positions take).
     monkeypatch.setitem(cis_triton.TUNING, "block_scores_items_per_row", 1)

@@ -696,6 +696,7 @@ class CIS(BaseSelector):
             n_sink=c.n_sink,
             n_local=c.n_local,
             score=c.block_score,
+            fill_idle=False,  # ranked below for the retrieving rows only
             path=path,
         )
         m_width = self.anchor_width()

@@ -156,13 +156,17 @@ def retrieval_block_scores(
     n_sink: int,
     n_local: int,
     score: str = "max",
+    fill_idle: bool = True,
     path: str = "torch",
 ) -> torch.Tensor:
     """``[B, Hkv, ceil(T / s)]`` float32: each block's score on the ``active [B, Hkv]`` rows,
     ``-inf`` for blocks that do not exist or hold a sink or local position and on the other rows
     (whose keys the Triton path does not read). ``score="max"``: the block's largest group-mean
     probability; ``"mass"``: the sum of its positions' group-mean probabilities (the attention
-    mass the block holds)."""
+    mass the block holds). ``fill_idle=False``: the Triton path leaves the other rows unwritten
+    (their values unspecified), for a caller that ranks the active rows only, as
+    :func:`top_blocks` and :func:`retrieval_pool` do -- a decode step where most rows reuse then
+    writes nothing for them."""
     check_query(query, kv)
     check_bool_mask("active", active, (kv.batch_size, kv.num_kv_heads))
     check_int("block_size", block_size, minimum=1)
@@ -172,7 +176,7 @@ def retrieval_block_scores(
         from prhs_kernels.cis.triton import retrieval_block_scores_triton
 
         return retrieval_block_scores_triton(
-            query, kv, scaling, block_size, n_sink, n_local, active, score
+            query, kv, scaling, block_size, n_sink, n_local, active, score, fill_idle
         )
     probs = retrieval_probs(query, kv, scaling, active)
     return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active, score)
@@ -195,11 +199,12 @@ def top_blocks(
     largest first (``-inf`` values mark no block; a NaN score counts as ``-inf``). Ties: toward
     the lower id, except on CUDA's torch path (``torch.topk``: any order).
 
-    On a Triton path with ``active [...]`` given, the active rows only are ranked (the others
-    get ``-1`` / ``-inf``): one program per row for rows of up to 8192 scores; longer rows in
-    two passes or more (the top ``m`` of each chunk of 8192, or of ``2m`` rounded up to a power
-    of two, then of their winners, and so on). ``m`` above 8192, or ``active=None``: every row
-    is ranked by ``torch.topk``."""
+    With ``active [...]`` given, the active rows only are ranked and the others get ``-1`` /
+    ``-inf`` whatever their scores hold (they need not be written: ``retrieval_block_scores(...,
+    fill_idle=False)``). On a Triton path: one program per row for rows of up to 8192 scores;
+    longer rows in two passes or more (the top ``m`` of each chunk of 8192, or of ``2m`` rounded
+    up to a power of two, then of their winners, and so on). ``m`` above 8192, or
+    ``active=None``: every row is ranked by ``torch.topk``."""
     k = min(m, scores.shape[-1])
     if active is not None:
         check_bool_mask("active", active, tuple(scores.shape[:-1]))
@@ -209,7 +214,10 @@ def top_blocks(
         if top_blocks_fits(scores.shape[-1], k):
             announce("top_blocks", path, scores.device)
             return top_blocks_triton(scores, k, active)
-    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    drop = scores.isnan()
+    if active is not None:
+        drop = drop | ~active.unsqueeze(-1)
+    scores = scores.masked_fill(drop, float("-inf"))
     if scores.device.type == "cuda":
         vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
         return idx.to(torch.int32), vals

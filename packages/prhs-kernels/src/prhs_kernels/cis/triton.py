@@ -170,11 +170,13 @@ def _block_scores_kernel(
     FILL_BLOCKS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     MASS: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     # A persistent grid over two kinds of work item: (active row, tile of TILE_BLOCKS blocks),
-    # scored, then (inactive row, FILL_BLOCKS blocks), filled with -inf. Each program ranks the
-    # rows itself (prefix sums of the flags), so the scoring of a few retrieving rows is spread
-    # over every program instead of queueing behind their neighbours' programs.
+    # scored, then (with FILL) (inactive row, FILL_BLOCKS blocks), filled with -inf. Each
+    # program ranks the rows itself (prefix sums of the flags), so the scoring of a few
+    # retrieving rows is spread over every program instead of queueing behind their
+    # neighbours' programs.
     offs_r = tl.arange(0, BLOCK_R)
     flags = tl.load(ACTIVE + offs_r, mask=offs_r < n_rows, other=0) != 0
     idle = (~flags) & (offs_r < n_rows)
@@ -184,7 +186,9 @@ def _block_scores_kernel(
     n_tiles = (n_blocks + TILE_BLOCKS - 1) // TILE_BLOCKS
     n_fills = (n_blocks + FILL_BLOCKS - 1) // FILL_BLOCKS
     work_a = n_act * n_tiles
-    n_work = work_a + (n_rows - n_act) * n_fills
+    n_work = work_a
+    if FILL:
+        n_work += (n_rows - n_act) * n_fills
     offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
     g_ok = offs_g < G
     offs_s = tl.arange(0, BLOCK_S)
@@ -679,6 +683,7 @@ def retrieval_block_scores_triton(
     n_local: int,
     active: torch.Tensor,
     score: str = "max",
+    fill_idle: bool = True,
 ) -> torch.Tensor:
     b, hq, _ = query.shape
     h = kv.num_kv_heads
@@ -705,7 +710,7 @@ def retrieval_block_scores_triton(
         t, b * h, nb, nb_pad, n_spans, n_sink, n_local,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         TILE_BLOCKS=_pow2(tile_blocks, 1), FILL_BLOCKS=fill_blocks,
-        BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", num_warps=4,
+        BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", FILL=fill_idle, num_warps=4,
     )  # fmt: skip
     return scores
 
