@@ -31,10 +31,9 @@ What it installs (transformers 5.x):
   fresh state. A cache prefilled without prhs gets its state at the first decode step, each
   layer's cached K/V written to the side caches then.
 
-``torch.compile`` does not trace the ``"prhs"`` attention call: a compiled model (or decoder
-layer) breaks its graph there and runs the selector and the decode kernel as they are, so what
-comes before and after it in a layer still compiles (``prhs-eval table5 --compile-scope
-layers``).
+``torch.compile`` does not trace the ``"prhs"`` attention call: a compiled decoder layer breaks
+its graph there and runs the selector and the decode kernel as they are, so what comes before
+and after it in the layer still compiles (``prhs-eval table5 --compile-scope layers``).
 
 On the CPU the plan is *checked* (values validated on the host, a non-finite query raises); on
 CUDA it is not, and a non-finite query is skipped and counted (``runtime.nonfinite_count()``).
