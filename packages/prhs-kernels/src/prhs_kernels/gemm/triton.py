@@ -21,12 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded MMA tile
 from prhs_kernels.paths import interpreting
 
-__all__ = ["MAX_ROWS", "decode_linear_triton", "plan"]
-
-MAX_ROWS = 16
-"""The most rows of ``x`` the kernel takes (one padded MMA tile)."""
+__all__ = ["decode_linear_triton", "plan"]
 
 
 def _decode_linear_kernel(
