@@ -25,6 +25,7 @@ from prhs_eval.throughput import (
     _static_cache,
     _step_fn,
     compiled_parts,
+    decode_gemms,
     fused_projections,
     model_config,
     parse_methods,
@@ -44,6 +45,8 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="table5 --compile's model parts")
     ap.add_argument("--compile-scope", choices=("parts", "layers"), default="parts")
     ap.add_argument("--fuse", action="store_true", help="table5 --fuse's fused projections")
+    ap.add_argument("--gemm", choices=("cublas", "triton"), default="cublas")
+    ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -52,7 +55,9 @@ def main() -> int:
     cfg = model_config(a.shape, max_positions=a.context + headroom + 8)
     model = random_model(cfg, dev, torch.bfloat16)
     parts = contextlib.ExitStack()  # held until main returns: a dropped one would restore
-    if a.fuse:
+    if a.gemm == "triton":
+        parts.enter_context(decode_gemms(model, a.fuse))
+    elif a.fuse:
         parts.enter_context(fused_projections(model))
     if a.compile:
         parts.enter_context(compiled_parts(model, scope=a.compile_scope))
@@ -88,25 +93,34 @@ def main() -> int:
         if rt is not None:
             rt.disable()
         by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        order = []
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 by[e.name][0] += e.device_time_total / 1e3 / a.replays
                 by[e.name][1] += 1 / a.replays
+                order.append((e.time_range.start, e.name, e.device_time_total))
+        order.sort()
+        n_step = round(sum(v[1] for v in by.values()))
+        sequence = [{"kernel": k[:120], "us": t} for _, k, t in order[:n_step]][: a.sequence]
         total = sum(v[0] for v in by.values())
         kernels = sum(v[1] for v in by.values())
         top = sorted(by.items(), key=lambda kv: -kv[1][0])[: a.top]
         report[m.label] = {
             "kernel_ms_per_step": total, "kernels_per_step": kernels,
             "top": [{"kernel": k[:120], "ms": v[0], "count": v[1]} for k, v in top],
+            "sequence": sequence,
         }  # fmt: skip
         print(f"== {m.label}: {kernels:.0f} kernels/step, {total:.3f} ms of kernel time/step")
         for k, v in top:
             print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  {k[:100]}")
+        for i, item in enumerate(sequence):
+            print(f"   #{i:3d} {item['us']:7.2f} us  {item['kernel'][:100]}")
         del g
     meta = {"shape": a.shape, "batch": a.batch, "context": a.context, "budget": a.budget,
-            "compile": a.compile, "compile_scope": a.compile_scope, "fuse": a.fuse,
+            "compile": a.compile, "compile_scope": a.compile_scope, "fuse": a.fuse, "gemm": a.gemm,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
     tag = (f"-compiled-{a.compile_scope}" if a.compile else "") + ("-fused" if a.fuse else "")
+    tag += "-triton-gemm" if a.gemm == "triton" else ""
     (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"
     )
