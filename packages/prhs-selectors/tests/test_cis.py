@@ -137,6 +137,46 @@ def test_paper_mode_reuses_exactly_when_the_rule_says(
     assert min(seen.values()) > 0, seen  # every branch was exercised
 
 
+def test_paper_mode_retrieves_inside_a_conditional_on_the_states_flag(make_sim, monkeypatch):
+    """The retrieval's kernels run under ``run_if(state.retrieving)``: the flag is true there
+    exactly when some row retrieves (so a captured step may skip them otherwise), and the
+    composition leaves it clear for the next layer."""
+    import contextlib
+
+    import prhs_selectors.cis as cis_module
+
+    seen = []
+    real_run_if = cis_module.run_if
+
+    @contextlib.contextmanager
+    def recording(flag):
+        seen.append(("enter", bool(flag.item())))
+        with real_run_if(flag) as conditional:
+            yield conditional
+
+    monkeypatch.setattr(cis_module, "run_if", recording)
+    real_scores = cis_module.retrieval_block_scores
+    monkeypatch.setattr(
+        cis_module,
+        "retrieval_block_scores",
+        lambda *a, **k: seen.append(("scores",)) or real_scores(*a, **k),
+    )
+    cfg = CISConfig(budget=8, n_sink=2, n_local=3, block_size=2, tau=-1.0, n_den=2, r=1)
+    sel = CIS(cfg)
+    sim = make_sim([30, 22], num_q_heads=4, num_kv_heads=2, head_dim=16, max_new_tokens=9)
+    state = sim.attach(sel)
+    flags = []
+    for _ in range(9):
+        seen.clear()
+        out = sim.select(0)
+        assert seen[:2] == [("enter", seen[0][1]), ("scores",)]
+        flags.append((seen[0][1], bool(out.stats.retrieved.any())))
+        assert not state.retrieving.item()
+        sim.advance()
+    assert all(flag == some for flag, some in flags)
+    assert {flag for flag, _ in flags} == {True, False}  # tau -1: retrieval every n_local steps
+
+
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_random_expansion_replaces_the_dilation_by_as_many_random_blocks(
     make_sim, tools, block_size

@@ -287,6 +287,10 @@ class SelectorState:
         ``[1]`` int64 on the state's device: (sequence, KV head) decisions and key rows whose
         non-finite input was skipped instead of stored. Read it when you choose
         (:meth:`nonfinite_count` reads it on the host).
+    retrieving:
+        ``[1]`` bool on the state's device, scratch within one layer's selection: a selector's
+        decision sets it when some row retrieves and its composition clears it, so that in
+        between a captured step can skip the retrieval's kernels when no row needs them.
     """
 
     pool: SequenceStatePool
@@ -294,12 +298,15 @@ class SelectorState:
     row_stride: int
     kv_page_size: int = 1
     nonfinite: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
+    retrieving: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.bool))
 
     def __post_init__(self) -> None:
         check_int("row_stride", self.row_stride, minimum=1)
         check_int("kv_page_size", self.kv_page_size, minimum=1)
         if self.nonfinite.device != self.pool.device:
             self.nonfinite = self.nonfinite.to(self.pool.device)
+        if self.retrieving.device != self.pool.device:
+            self.retrieving = self.retrieving.to(self.pool.device)
 
     @property
     def device(self) -> torch.device:

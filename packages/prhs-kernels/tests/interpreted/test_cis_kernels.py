@@ -141,6 +141,46 @@ def test_decide_per_slot_thresholds():
         cis_decide(*args, tau=tau[:5], n_local=16, path="torch")
 
 
+def test_decide_sets_and_compose_clears_the_retrieval_flag():
+    """``any_retrieve``: the decision ORs "some row retrieves" into it (Triton and torch alike),
+    the composition clears it; a bad flag is refused before anything is written."""
+    gen = torch.Generator().manual_seed(11)
+    b, h, g, d, n = 4, 2, 2, 16, 5
+    aq, alen, aidx, acnt, alogd = _anchors(n, h, g, d, 4, gen)
+    alen.fill_(40)  # every anchor alive, 0-10 positions behind its row
+    slots = torch.tensor([0, 1, 2, 3])
+    lens = torch.tensor([40, 45, 50, 41], dtype=torch.int32)
+    query = aq[slots].reshape(b, h * g, d).bfloat16()
+    for path in (PATH, "torch"):
+        args = (query, aq, alen, slots, lens)
+        for tau, n_local, start, want in [
+            (-1.0, 16, False, False),  # every row reuses: the flag stays clear
+            (-1.0, 16, True, True),  # ... and a set flag stays set (OR, not assignment)
+            (-1.0, 8, False, True),  # rows 10 positions past their anchor retrieve
+            (1.01, 16, False, True),  # a threshold above 1 makes every live row retrieve
+        ]:
+            flag = torch.tensor([start])
+            retrieve, _ = cis_decide(*args, tau=tau, n_local=n_local, any_retrieve=flag, path=path)
+            assert flag.item() is want and (start or bool(retrieve.any()) == want), (path, tau)
+        m_blocks, s = 4, 8
+        width = window_widths(4, 16, s)[0] + m_blocks + cis_local_width(16, s, False)
+        new_idx = torch.zeros(b, h, m_blocks, dtype=torch.int32)
+        out_idx = torch.empty(b, h, width, dtype=torch.int32)
+        out_cnt = torch.empty(b, h, dtype=torch.int32)
+        state = (aq.clone(), alen.clone(), aidx.clone(), acnt.clone(), alogd.clone())
+        flag = torch.tensor([True])
+        cis_compose(
+            query, retrieve, torch.zeros_like(retrieve), new_idx, new_idx.float(), *state, slots,
+            lens, n_sink=4, n_local=16, block_size=s, m=0, r=0, out_indices=out_idx,
+            out_counts=out_cnt, any_retrieve=flag, path=path,
+        )  # fmt: skip
+        assert not flag.item(), path
+    for bad in (torch.tensor([1]), torch.zeros(2, dtype=torch.bool), "yes"):
+        flag_args = (query, aq, alen, slots, lens)
+        with pytest.raises(ValueError, match="any_retrieve must be a one-element bool"):
+            cis_decide(*flag_args, tau=0.5, n_local=16, any_retrieve=bad, path=PATH)
+
+
 @pytest.mark.parametrize(
     ("s", "n_sink", "n_local", "score"),
     [(1, 4, 8, "max"), (8, 4, 32, "max"), (4, 0, 0, "max"), (16, 20, 5, "max"), (8, 4, 32, "mass")],

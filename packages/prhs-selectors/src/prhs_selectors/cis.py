@@ -69,6 +69,7 @@ from prhs_kernels.cis import (
     top_blocks,
 )
 from prhs_kernels.compose import dilate_indices, union_indices
+from prhs_kernels.graphs import run_if
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.topk import topk_indices
@@ -651,7 +652,9 @@ class CIS(BaseSelector):
     ) -> Selection:
         """Paper mode through :mod:`prhs_kernels.cis`: decide, re-rank the reusing rows' pools
         (``rescore``), score the retrieving rows' blocks, take their top ``k/s`` (and the next
-        ``R``), compose and update the anchors."""
+        ``R``), compose and update the anchors. In a captured step the retrieval's kernels sit in
+        a conditional node (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no row
+        retrieves (``state.retrieving``, set by the decision, cleared by the composition)."""
         c = self.config
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
@@ -665,6 +668,7 @@ class CIS(BaseSelector):
             tau=self.layer_tau(layer, query.device, state),
             n_local=c.n_local,
             nonfinite=state.nonfinite,
+            any_retrieve=state.retrieving,
             path=path,
         )
         n_next = self.rescore_blocks()
@@ -687,25 +691,28 @@ class CIS(BaseSelector):
                 score=c.block_score,
                 path=path,
             )
-        scores = retrieval_block_scores(
-            query,
-            kv,
-            plan.scaling,
-            retrieve,
-            block_size=c.block_size,
-            n_sink=c.n_sink,
-            n_local=c.n_local,
-            score=c.block_score,
-            fill_idle=False,  # ranked below for the retrieving rows only
-            path=path,
-        )
         m_width = self.anchor_width()
-        if n_next:  # the retrieving rows' anchors also keep their next-best blocks
-            new_idx, new_scores = retrieval_pool(
-                scores, m_width, n_next, retrieve, anchor_next, slots, path=path
+        # Only the retrieving rows' entries of new_idx / new_scores are read (by cis_compose),
+        # so a replay that skips these kernels when no row retrieves changes nothing.
+        with run_if(state.retrieving):
+            scores = retrieval_block_scores(
+                query,
+                kv,
+                plan.scaling,
+                retrieve,
+                block_size=c.block_size,
+                n_sink=c.n_sink,
+                n_local=c.n_local,
+                score=c.block_score,
+                fill_idle=False,  # ranked below for the retrieving rows only
+                path=path,
             )
-        else:
-            new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
+            if n_next:  # the retrieving rows' anchors also keep their next-best blocks
+                new_idx, new_scores = retrieval_pool(
+                    scores, m_width, n_next, retrieve, anchor_next, slots, path=path
+                )
+            else:
+                new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         sel = plan.selection
         random = c.expansion == "random" and c.r * self.dilation_m() > 0
         if random:  # compose without dilation, then add the random blocks
@@ -732,6 +739,7 @@ class CIS(BaseSelector):
             out_indices=out_idx,
             out_counts=out_cnt,
             hold_local=c.hold_local,
+            any_retrieve=state.retrieving,
             path=path,
         )
         if random:

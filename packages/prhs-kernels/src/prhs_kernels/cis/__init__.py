@@ -95,11 +95,16 @@ def cis_decide(
     tau: float | torch.Tensor,
     n_local: int,
     nonfinite: torch.Tensor | None = None,
+    any_retrieve: torch.Tensor | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(retrieve, bad)``, ``[B, Hkv]`` bool each: the rows that retrieve, and the rows skipped
     because their group's queries hold a non-finite value, counted into ``nonfinite`` (one
     int64 element) when given (see :func:`.reference.cis_decide_reference`).
+
+    ``any_retrieve`` (one bool element, ``SelectorState.retrieving``): set to true when some row
+    retrieves, left as it was otherwise; :func:`cis_compose` clears it. Between the two it says
+    whether the retrieval's kernels have any work (:func:`prhs_kernels.graphs.run_if`).
 
     ``anchor_q [N, Hkv, g, D]`` float32 and ``anchor_len [N, Hkv]`` int32 are one layer's
     anchor fields (rows by state slot, strided views allowed); ``slots [B]`` picks each batch
@@ -134,16 +139,33 @@ def cis_decide(
             "nonfinite must be a one-element int64 tensor on the query's device "
             "(SelectorState.nonfinite)"
         )
+    _check_flag(any_retrieve, query.device)
     announce("cis_decide", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import cis_decide_triton
 
         return cis_decide_triton(
-            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
+            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite, any_retrieve
         )
-    return cis_decide_reference(
+    retrieve, bad = cis_decide_reference(
         query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
     )
+    if any_retrieve is not None:
+        any_retrieve |= retrieve.any()
+    return retrieve, bad
+
+
+def _check_flag(flag: torch.Tensor | None, device: torch.device) -> None:
+    if flag is not None and (
+        not isinstance(flag, torch.Tensor)
+        or flag.dtype != torch.bool
+        or flag.numel() != 1
+        or flag.device != device
+    ):
+        raise ValueError(
+            "any_retrieve must be a one-element bool tensor on the query's device "
+            "(SelectorState.retrieving)"
+        )
 
 
 def retrieval_block_scores(
@@ -297,12 +319,14 @@ def cis_compose(
     out_indices: torch.Tensor,
     out_counts: torch.Tensor,
     hold_local: bool = False,
+    any_retrieve: torch.Tensor | None = None,
     path: str = "torch",
 ) -> None:
     """Write the selection into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` and make
     the retrieving rows anchors (see :func:`.reference.cis_compose_reference`). ``W`` must be
     ``ws + M + 2·r·m + wl``: the widths of the sink window, the anchor list, its dilation and
-    the local window (``wl`` from :func:`cis_local_width`)."""
+    the local window (``wl`` from :func:`cis_local_width`). ``any_retrieve``: the flag
+    :func:`cis_decide` set, cleared here (its retrieval is consumed)."""
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     mm = anchor_idx.shape[-1]
@@ -319,6 +343,7 @@ def cis_compose(
     check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
     if m > mm:
         raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
+    _check_flag(any_retrieve, query.device)
     announce("cis_compose", path, query.device)
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
     args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
@@ -329,10 +354,13 @@ def cis_compose(
         from prhs_kernels.cis.triton import cis_compose_triton
 
         cis_compose_triton(
-            *args, **kw, out_indices=out_indices, out_counts=out_counts, windows=(ws, wl)
-        )
+            *args, **kw, out_indices=out_indices, out_counts=out_counts, windows=(ws, wl),
+            any_retrieve=any_retrieve,
+        )  # fmt: skip
         return
     cis_compose_reference(*args, **kw, out_indices=out_indices, out_counts=out_counts)
+    if any_retrieve is not None:
+        any_retrieve.zero_()
 
 
 def cis_rescore(

@@ -95,6 +95,7 @@ def _decide_kernel(
     RETRIEVE,
     NONFINITE,
     TAU,
+    ANY,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -113,6 +114,7 @@ def _decide_kernel(
     BLOCK_D: tl.constexpr,
     COUNT: tl.constexpr,
     TAU_MODE: tl.constexpr,
+    HAS_ANY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -143,7 +145,10 @@ def _decide_kernel(
     if TAU_MODE == 2:  # one per (slot, KV head)
         thr = tl.load(TAU + slot * stride_tau_n + h * stride_tau_h)
     reuse = (ta > 0) & (seq - ta <= n_local) & (seq >= ta) & (cos >= thr)
-    tl.store(RETRIEVE + pid, ((~reuse) & (~bad)).to(tl.int8))
+    retrieve = (~reuse) & (~bad)
+    tl.store(RETRIEVE + pid, retrieve.to(tl.int8))
+    if HAS_ANY:  # every retrieving row writes the same 1: a benign race, no atomic needed
+        tl.store(ANY, tl.full((), 1, tl.int8), mask=retrieve)
 
 
 def _block_scores_kernel(
@@ -252,6 +257,7 @@ def _compose_kernel(
     OUT_IDX,
     OUT_CNT,
     SCRATCH,
+    ANY,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -286,8 +292,11 @@ def _compose_kernel(
     BLOCK_W: tl.constexpr,
     BS: tl.constexpr,
     HOLD: tl.constexpr,
+    HAS_ANY: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
+        tl.store(ANY, tl.full((), 0, tl.int8), mask=pid == 0)
     b = pid // HKV
     h = pid % HKV
     slot = tl.load(SLOTS + b).to(tl.int64)
@@ -646,6 +655,7 @@ def cis_decide_triton(
     tau: float | torch.Tensor,
     n_local: int,
     nonfinite: torch.Tensor | None,
+    any_retrieve: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -664,12 +674,13 @@ def cis_decide_triton(
         query, anchor_q, anchor_len, slots, seq_lens, bad.view(torch.int8),
         retrieve.view(torch.int8), nonfinite if nonfinite is not None else seq_lens,
         tau if tensor else seq_lens,
+        any_retrieve.view(torch.int8) if any_retrieve is not None else seq_lens,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_len.stride(0), anchor_len.stride(1), *strides,
         0.0 if tensor else float(tau), n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
-        TAU_MODE=mode, num_warps=4,
+        TAU_MODE=mode, HAS_ANY=any_retrieve is not None, num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
@@ -738,6 +749,7 @@ def cis_compose_triton(
     out_counts: torch.Tensor,
     windows: tuple[int, int],
     hold_local: bool = False,
+    any_retrieve: torch.Tensor | None = None,
 ) -> None:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -756,6 +768,7 @@ def cis_compose_triton(
         query, retrieve.contiguous().view(torch.int8), bad.contiguous().view(torch.int8),
         new_idx, new_scores, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta,
         slots, seq_lens, out_indices, out_counts, scratch,
+        any_retrieve.view(torch.int8) if any_retrieve is not None else scratch,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_len.stride(0), anchor_len.stride(1),
@@ -766,7 +779,8 @@ def cis_compose_triton(
         n_sink, n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
-        BLOCK_W=block_w, BS=block_size, HOLD=hold_local, num_warps=_compose_warps(block_w),
+        BLOCK_W=block_w, BS=block_size, HOLD=hold_local, HAS_ANY=any_retrieve is not None,
+        num_warps=_compose_warps(block_w),
     )  # fmt: skip
 
 

@@ -1,0 +1,77 @@
+"""Kernels that a captured decode step skips when a device flag says they have nothing to do.
+
+A CUDA graph replays every kernel it captured, each one at least a launch (1-3 µs on an H200)
+even when it finds no work. CIS retrieves on a few steps in a hundred, yet its retrieval's three
+kernels (scores, block scores, top-k) would launch in every layer of every step. :func:`run_if`
+captures such kernels into a CUDA-graph *conditional node*: at each replay the graph reads a
+one-element bool on the device and runs the body only when it is true, with no host read.
+
+The body must be correct whether it runs or not when the flag is false -- the flag only says
+when running it would change nothing -- because outside a capture (eager, on the CPU, on ``meta``
+tensors, on a torch build without conditional nodes, or with :data:`ENABLED` off) it always runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["ENABLED", "conditional_nodes_supported", "run_if"]
+
+ENABLED = os.environ.get("PRHS_GRAPH_CONDITIONALS", "1").strip().lower() not in ("0", "false", "off")
+"""Capture :func:`run_if` bodies into conditional nodes where the build supports them (default;
+``PRHS_GRAPH_CONDITIONALS=0`` in the environment turns it off). Module-level so that a benchmark
+can compare a step with and without: set it before capturing."""
+
+
+@functools.cache
+def conditional_nodes_supported() -> bool:
+    """Whether this torch build captures conditional nodes: a CUDA (not ROCm) build of CUDA 12.4
+    or later whose ``CUDAGraph`` has ``begin_capture_to_if_node``."""
+    cuda = torch.version.cuda
+    if cuda is None or torch.version.hip is not None:
+        return False
+    major, minor = (int(x) for x in cuda.split(".")[:2])
+    return (major, minor) >= (12, 4) and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+def _check_flag(flag: torch.Tensor) -> None:
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.numel() != 1:
+        got = (
+            f"{flag.dtype} of shape {tuple(flag.shape)}"
+            if isinstance(flag, torch.Tensor)
+            else type(flag).__name__
+        )
+        raise ValueError(f"run_if needs a one-element bool tensor as its flag, got {got}")
+
+
+@contextlib.contextmanager
+def run_if(flag: torch.Tensor) -> Iterator[bool]:
+    """Run the body's kernels only when ``flag`` (a one-element bool tensor) is true at replay.
+
+    Inside a CUDA-graph capture on the flag's device (and :func:`conditional_nodes_supported`,
+    :data:`ENABLED`), the body is captured into an ``if`` node whose predicate is read from
+    ``flag`` each replay; yields ``True``. Anywhere else the body simply runs; yields ``False``.
+    The body's outputs are written in place or allocated inside it: a skipped body leaves them as
+    they were, so nothing downstream may read them when the flag is false.
+    """
+    _check_flag(flag)
+    capturing = (
+        ENABLED
+        and flag.device.type == "cuda"
+        and conditional_nodes_supported()
+        and torch.cuda.is_current_stream_capturing()
+    )
+    if not capturing:
+        yield False
+        return
+    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    graph.begin_capture_to_if_node(flag.view(()))
+    try:
+        yield True
+    finally:
+        graph.end_capture_to_conditional_node()

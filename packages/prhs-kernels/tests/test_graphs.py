@@ -1,0 +1,71 @@
+"""``prhs_kernels.graphs.run_if``: outside a capture the body runs; inside one (CUDA only) a
+replay runs it only when the flag is true."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels import graphs
+from prhs_kernels.graphs import conditional_nodes_supported, run_if
+
+
+def test_outside_a_capture_the_body_runs_whatever_the_flag():
+    x = torch.zeros(3)
+    for value in (False, True):
+        with run_if(torch.tensor([value])) as conditional:
+            x += 1
+        assert conditional is False
+    assert x.tolist() == [2.0, 2.0, 2.0]
+    meta = torch.zeros(1, dtype=torch.bool, device="meta")
+    with run_if(meta) as conditional:  # a shape-only run: nothing is read
+        assert conditional is False
+
+
+@pytest.mark.parametrize(
+    "flag", [torch.tensor([1]), torch.zeros(2, dtype=torch.bool), torch.tensor(0.0), None]
+)
+def test_a_flag_that_is_not_one_bool_is_refused(flag):
+    ran = []
+    with pytest.raises(ValueError, match="one-element bool tensor"):
+        with run_if(flag):
+            ran.append(1)
+    assert ran == []
+
+
+def test_support_is_a_property_of_the_build():
+    assert isinstance(conditional_nodes_supported(), bool)
+    if torch.version.cuda is None:
+        assert not conditional_nodes_supported()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not conditional_nodes_supported(),
+    reason="needs CUDA with conditional graph nodes",
+)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_captured_body_runs_only_when_the_flag_is_true(monkeypatch, enabled):
+    monkeypatch.setattr(graphs, "ENABLED", enabled)
+    dev = torch.device("cuda")
+    flag = torch.zeros(1, dtype=torch.bool, device=dev)
+    x = torch.zeros(4, device=dev)
+    after = torch.zeros(4, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the graph
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        with run_if(flag) as conditional:
+            x.add_(1)
+        after.add_(1)  # after the node: always
+    assert conditional is enabled
+    x.zero_()
+    after.zero_()
+    for value in (False, True, False, True, True):
+        flag.fill_(value)
+        g.replay()
+    torch.cuda.synchronize()
+    assert after.tolist() == [5.0] * 4
+    assert x.tolist() == ([3.0] * 4 if enabled else [5.0] * 4)
