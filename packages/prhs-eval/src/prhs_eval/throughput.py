@@ -327,6 +327,9 @@ def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dic
 #: ``scope="parts"`` the norms and MLPs, ``scope="layers"`` each decoder layer whole.
 COMPILED_MODULES = ("RMSNorm", "MLP")
 COMPILED_LAYERS = ("DecoderLayer",)
+#: What ``scope="layers"`` also compiles outside the decoder layers: the rotary embedding (its
+#: cos/sin, once a step) and the final norm.
+COMPILED_OUTSIDE_LAYERS = ("RotaryEmbedding", "RMSNorm")
 COMPILE_SCOPES = ("parts", "layers")
 
 
@@ -340,9 +343,11 @@ def compiled_parts(model: Any, backend: str = "inductor", scope: str = "parts") 
     call is left alone (prhs's decode path has its own kernels and transformers' sdpa is one
     call). ``scope="layers"``: each decoder layer whole (class names ending in
     :data:`COMPILED_LAYERS`), so that Inductor also fuses what lies between the parts -- the
-    residual adds into the norms, the rotary embedding into the cache write. transformers'
-    sdpa is traced with the layer; prhs's attention is not (it is excluded from tracing, see
-    :mod:`prhs_eval.integration`): each layer compiles to the graphs before and after it.
+    residual adds into the norms, the rotary embedding into the cache write -- and what runs
+    outside the layers (:data:`COMPILED_OUTSIDE_LAYERS`: the rotary embedding's cos/sin, the
+    final norm). transformers' sdpa is traced with the layer; prhs's attention is not (it is
+    excluded from tracing, see :mod:`prhs_eval.integration`): each layer compiles to the graphs
+    before and after it.
     Dynamo specialises on each layer's index, so ``layers`` compiles a graph per layer and per
     batch size the first time each runs."""
     import torch._dynamo
@@ -355,6 +360,10 @@ def compiled_parts(model: Any, backend: str = "inductor", scope: str = "parts") 
         raise ValueError(
             f"{type(model).__name__} has no module whose class name ends in {suffixes}"
         )
+    if scope == "layers":  # and what runs outside them (inside, a layer's graph holds it)
+        inside = {id(sub) for layer in mods for sub in layer.modules()}
+        mods += [m for m in model.modules()
+                 if type(m).__name__.endswith(COMPILED_OUTSIDE_LAYERS) and id(m) not in inside]  # fmt: skip
     cfg = torch._dynamo.config
     # The recompile limits raised for the block (per code object, and over all its graphs;
     # older torch names them cache_size_limit), and their old values.
