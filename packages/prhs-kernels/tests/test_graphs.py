@@ -33,6 +33,16 @@ def test_a_flag_that_is_not_one_bool_is_refused(flag):
     assert ran == []
 
 
+def test_conditional_nodes_are_opt_in(monkeypatch):
+    import importlib
+
+    for value, want in (("", False), ("0", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("PRHS_GRAPH_CONDITIONALS", value)
+        assert importlib.reload(graphs).ENABLED is want
+    monkeypatch.delenv("PRHS_GRAPH_CONDITIONALS")
+    assert importlib.reload(graphs).ENABLED is False
+
+
 def test_support_is_a_property_of_the_build():
     assert isinstance(conditional_nodes_supported(), bool)
     if torch.version.cuda is None:

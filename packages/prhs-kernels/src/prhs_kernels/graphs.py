@@ -8,7 +8,8 @@ one-element bool on the device and runs the body only when it is true, with no h
 
 The body must be correct whether it runs or not when the flag is false -- the flag only says
 when running it would change nothing -- because outside a capture (eager, on the CPU, on ``meta``
-tensors, on a torch build without conditional nodes, or with :data:`ENABLED` off) it always runs.
+tensors, on a torch build without conditional nodes, or with :data:`ENABLED` off -- the
+default) it always runs.
 """
 
 from __future__ import annotations
@@ -22,21 +23,27 @@ import torch
 
 __all__ = ["ENABLED", "conditional_nodes_supported", "run_if"]
 
-ENABLED = os.environ.get("PRHS_GRAPH_CONDITIONALS", "1").strip().lower() not in ("0", "false", "off")
-"""Capture :func:`run_if` bodies into conditional nodes where the build supports them (default;
-``PRHS_GRAPH_CONDITIONALS=0`` in the environment turns it off). Module-level so that a benchmark
+ENABLED = os.environ.get("PRHS_GRAPH_CONDITIONALS", "0").strip().lower() in ("1", "true", "on")
+"""Capture :func:`run_if` bodies into conditional nodes where the build supports them. Off by
+default (``PRHS_GRAPH_CONDITIONALS=1`` in the environment turns it on) until it has been
+measured on a GPU: the H200 prhs is benchmarked on runs torch 2.11, which lacks the API
+(``CUDAGraph.begin_capture_to_if_node``, in later releases). Module-level so that a benchmark
 can compare a step with and without: set it before capturing."""
 
 
 @functools.cache
 def conditional_nodes_supported() -> bool:
     """Whether this torch build captures conditional nodes: a CUDA (not ROCm) build of CUDA 12.4
-    or later whose ``CUDAGraph`` has ``begin_capture_to_if_node``."""
+    or later whose ``CUDAGraph`` has ``begin_capture_to_if_node`` and
+    ``get_currently_capturing_graph``."""
     cuda = torch.version.cuda
     if cuda is None or torch.version.hip is not None:
         return False
     major, minor = (int(x) for x in cuda.split(".")[:2])
-    return (major, minor) >= (12, 4) and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    graph = torch.cuda.CUDAGraph
+    api = ("begin_capture_to_if_node", "end_capture_to_conditional_node",
+           "get_currently_capturing_graph")  # fmt: skip
+    return (major, minor) >= (12, 4) and all(hasattr(graph, name) for name in api)
 
 
 def _check_flag(flag: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ __all__ = [
     "interpreting",
     "kernel_path",
     "numba_path",
-    "pdl",
     "triton_installed",
     "warm_up",
 ]
@@ -81,38 +80,6 @@ def numba_path(device: torch.device | str) -> bool:
     if torch.device(device).type != "cpu" or _forced_torch():
         return False
     return "numba" in sys.modules or importlib.util.find_spec("numba") is not None
-
-
-def _pdl_setting() -> bool:
-    value = os.environ.get("PRHS_PDL", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"PRHS_PDL must be 0 or 1 (or unset), got {value!r}")
-    return value in ("1", "true", "on")
-
-
-PDL = _pdl_setting()
-"""Launch the kernels that support it with programmatic dependent launch where :func:`pdl`
-allows (``PRHS_PDL=0`` in the environment turns it off). Module-level so that a benchmark can
-compare a step with and without."""
-
-
-@functools.cache
-def _pdl_device(index: int) -> bool:
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    major, _ = torch.cuda.get_device_capability(index)
-    return major >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether a Triton kernel on ``device`` launches with programmatic dependent launch (PDL):
-    compiled (not interpreted) on an NVIDIA GPU of compute capability 9.0 or later (Hopper,
-    Blackwell), by a Triton that supports it, with :data:`PDL` on. Such a kernel may start while
-    the kernel before it finishes; it waits (``griddepcontrol.wait``) before it reads anything
-    that kernel wrote, so only work on inputs no earlier kernel writes (a weight) overlaps."""
-    if not PDL or device.type != "cuda" or interpreting() or torch.version.hip is not None:
-        return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _announced: set[tuple[str, str, str]] = set()

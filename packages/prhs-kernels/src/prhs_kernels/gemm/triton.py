@@ -22,19 +22,9 @@ import triton
 import triton.language as tl
 
 from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded MMA tile
-from prhs_kernels.paths import interpreting, pdl
+from prhs_kernels.paths import interpreting
 
-try:  # Triton >= 3.4; the kernels only reach these with PDL on (prhs_kernels.paths.pdl)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - an older Triton
-    gdc_launch_dependents = gdc_wait = None
-
-__all__ = ["PREFETCH_K", "decode_linear_triton", "plan"]
-
-PREFETCH_K = 512
-"""Columns of its weight stripe a program prefetches into L2 before it waits for the kernel
-before it (programmatic dependent launch; :func:`prhs_kernels.paths.pdl`). Module-level so that
-a benchmark can sweep it."""
+__all__ = ["decode_linear_triton", "plan"]
 
 
 def _decode_linear_kernel(
@@ -54,8 +44,6 @@ def _decode_linear_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,17 +52,6 @@ def _decode_linear_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    if PDL:
-        # Launched while the kernel before still runs: the weight is no kernel's output, so
-        # its first PREFETCH_K columns head for L2 now (one address per 128-byte line); x is,
-        # so nothing reads it before the wait.
-        lines = tl.arange(0, PREFETCH_K // 64) * 64
-        pre = W + offs_n[:, None].to(tl.int64) * stride_wn + lines[None, :]
-        pre = tl.where(n_ok[:, None] & (lines < K)[None, :], pre, W)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0", "=r,l", [pre], dtype=tl.int32, is_pure=False, pack=1
-        )
-        gdc_wait()
     x_ptr = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # xᵀ: [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -89,8 +66,6 @@ def _decode_linear_kernel(
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-    if PDL:  # the next kernel may launch (and start its own weight reads)
-        gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -131,14 +106,10 @@ def decode_linear_triton(
     n = weight.shape[0]
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = launch or plan(n, k)
-    overlap = pdl(x.device)
-    extra = {"launch_pdl": True} if overlap else {}
     _kernel(interpreting())[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None, UPCAST=interpreting(), PDL=overlap,
-        PREFETCH_K=min(PREFETCH_K, max(64, triton.next_power_of_2(k))),
-        num_warps=warps, num_stages=stages, **extra,
+        HAS_BIAS=bias is not None, UPCAST=interpreting(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
