@@ -10,6 +10,7 @@
 - :mod:`prhs_kernels.quest` -- Quest's page scores;
 - :mod:`prhs_kernels.prefill` -- PSAW prefill attention;
 - :mod:`prhs_kernels.gemm` -- decode-size linear layers as one weight stream;
+- :mod:`prhs_kernels.graphs` -- kernels a captured step skips when a device flag says so;
 - :mod:`prhs_kernels.paths` -- which path an op takes, and the Numba warm-up.
 
 Every op keeps shapes static and reads no device value on the host, so a decode step built from
