@@ -1,9 +1,17 @@
-"""Probe: does this torch build capture a CUDA-graph conditional (if) node, and what does one
-cost against the kernels it would skip? Prints timings; writes nothing."""
+"""Probe: what a CUDA-graph conditional node (``prhs_kernels.graphs.run_if``) costs against the
+kernels it would skip. Needs a torch build with the API (``conditional_nodes_supported()``);
+prints timings, writes nothing.
+
+    PRHS_GRAPH_CONDITIONALS=1 python benchmarks/scripts/cond_node_probe.py
+"""
+
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from prhs_kernels import graphs
 
 
 @triton.jit
@@ -12,10 +20,13 @@ def _touch(X, n, BLOCK: tl.constexpr):
     tl.store(X + offs, tl.load(X + offs, mask=offs < n) + 1, mask=offs < n)
 
 
-def main():
+def main() -> int:
+    if not graphs.conditional_nodes_supported():
+        print(f"torch {torch.__version__} cannot capture conditional nodes")
+        return 1
+    graphs.ENABLED = True
     x = torch.zeros(4096, device="cuda")
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    pred = flag.view(torch.bool)[0]
+    flag = torch.zeros(1, dtype=torch.bool, device="cuda")
 
     def body():
         for _ in range(3):
@@ -23,35 +34,27 @@ def main():
 
     body()
     torch.cuda.synchronize()
-    g_cond, g_plain, g_none = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    g_cond, g_plain = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_cond):
         for _ in range(32):
-            cur = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-            cur.begin_capture_to_if_node(pred)
-            try:
+            with graphs.run_if(flag):
                 body()
-            finally:
-                cur.end_capture_to_conditional_node()
     with torch.cuda.graph(g_plain):
         for _ in range(32):
             body()
-    with torch.cuda.graph(g_none):
-        for _ in range(32):
-            _touch[(1,)](x, 0, BLOCK=1024)
-    x.zero_()
-    g_cond.replay()
-    torch.cuda.synchronize()
-    print("flag 0: x sum", float(x.sum()), "(expect 0)")
-    flag.fill_(1)
-    g_cond.replay()
-    torch.cuda.synchronize()
-    print("flag 1: x sum", float(x.sum()), "(expect", 32 * 3 * 4096, ")")
-    for name, g in (("plain 96 kernels", g_plain), ("32 empty kernels", g_none)):
-        print(name, triton.testing.do_bench(g.replay, warmup=50, rep=300), "ms")
-    for v in (0, 1):
-        flag.fill_(v)
-        print(f"32 if-nodes, flag {v}", triton.testing.do_bench(g_cond.replay, warmup=50, rep=300), "ms")
+    for value in (False, True):
+        x.zero_()
+        flag.fill_(value)
+        g_cond.replay()
+        torch.cuda.synchronize()
+        print(f"flag {value}: x sum {float(x.sum())} (expect {value * 32 * 3 * 4096})")
+    print("96 kernels, plain:", triton.testing.do_bench(g_plain.replay, warmup=50, rep=300), "ms")
+    for value in (False, True):
+        flag.fill_(value)
+        ms = triton.testing.do_bench(g_cond.replay, warmup=50, rep=300)
+        print(f"32 if-nodes of 3 kernels, flag {value}: {ms} ms")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

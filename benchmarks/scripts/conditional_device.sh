@@ -1,10 +1,12 @@
 # CIS's retrieval in CUDA-graph conditional nodes, on the device: GPU tests, graph == eager over
 # steps that do and do not retrieve, the node's cost, then Table V points with and without.
-# Usage: PRHS_COMMIT=<sha> bash benchmarks/scripts/conditional_device.sh [table5 shape args]
+# Needs a torch whose CUDAGraph has begin_capture_to_if_node (the device image's 2.11 has not).
+# Usage: PRHS_COMMIT=<sha> bash benchmarks/scripts/conditional_device.sh
 set -e
+export PRHS_GRAPH_CONDITIONALS=1
 export PYTHONPATH=packages/prhs-core/src:packages/prhs-kernels/src:packages/prhs-selectors/src:packages/prhs-eval/src
-python -m pytest -q -p no:cacheprovider packages/prhs-kernels/tests/test_graphs.py 2>&1 | tail -3
-python benchmarks/scripts/cond_node_probe.py
+python -m pytest -q -p no:cacheprovider packages/prhs-kernels/tests/test_graphs.py packages/prhs-selectors/tests/test_cis.py 2>&1 | tail -3
+python benchmarks/scripts/cond_node_probe.py || true  # needs a torch with the API
 for opts in "--cis tau=-1.0 --cis block_size=8 --cis rescore=0" ""; do
     python benchmarks/scripts/decode_step.py check --selectors cis --batches 1,16 $opts \
         --out "$OUT/check.jsonl" 2>&1 | grep -v "^\[transformers\]" | grep '"selector"' || true

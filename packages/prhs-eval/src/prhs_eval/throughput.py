@@ -362,8 +362,10 @@ def compiled_parts(model: Any, backend: str = "inductor", scope: str = "parts") 
         )
     if scope == "layers":  # and what runs outside them (inside, a layer's graph holds it)
         inside = {id(sub) for layer in mods for sub in layer.modules()}
-        mods += [m for m in model.modules()
-                 if type(m).__name__.endswith(COMPILED_OUTSIDE_LAYERS) and id(m) not in inside]  # fmt: skip
+        outside = COMPILED_OUTSIDE_LAYERS
+        mods += [
+            m for m in model.modules() if type(m).__name__.endswith(outside) and id(m) not in inside
+        ]
     cfg = torch._dynamo.config
     # The recompile limits raised for the block (per code object, and over all its graphs;
     # older torch names them cache_size_limit), and their old values.
