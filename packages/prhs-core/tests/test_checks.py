@@ -12,6 +12,7 @@ from prhs_core import checks
 from prhs_core.checks import (
     check_bool_mask,
     check_device,
+    check_flag,
     check_float_tensor,
     check_in_range,
     check_index_tensor,
@@ -151,6 +152,21 @@ def test_check_float_tensor_accepts_float_dtypes(dtype: torch.dtype) -> None:
 def test_check_bool_mask_rejects(t: object, error: type, fragment: str) -> None:
     with pytest.raises(error, match=fragment):
         check_bool_mask("m", t, (2, 3))
+
+
+def test_check_flag() -> None:
+    check_flag("f", torch.zeros(1, dtype=torch.bool))
+    check_flag("f", torch.ones((), dtype=torch.bool), torch.device("cpu"))
+    for bad, fragment in [
+        (torch.zeros(1, dtype=torch.int32), "int32 of shape"),
+        (torch.zeros(2, dtype=torch.bool), r"shape \[2\]"),
+        (None, "NoneType"),
+    ]:
+        with pytest.raises(ValueError, match=f"f must be a one-element bool tensor.*{fragment}"):
+            check_flag("f", bad)
+    meta = torch.zeros(1, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"on cpu \(hint\), got torch.bool .* on meta"):
+        check_flag("f", meta, torch.device("cpu"), " (hint)")
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "check_bool_mask",
     "check_device",
+    "check_flag",
     "check_float_tensor",
     "check_in_range",
     "check_index_tensor",
@@ -87,6 +88,20 @@ def check_bool_mask(name: str, t: object, shape: Sequence[int]) -> None:
     if tuple(t.shape) != tuple(shape):
         expected = "[" + ", ".join(str(s) for s in shape) + "]"
         raise ValueError(f"{name} must have shape {expected}, got {shape_str(t)}")
+
+
+def check_flag(name: str, t: object, device: torch.device | None = None, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``t`` is a one-element ``torch.bool`` tensor (on ``device``,
+    when given); ``hint`` ends the message (where such a flag comes from)."""
+    ok = isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.numel() == 1
+    if ok and (device is None or t.device == device):
+        return
+    where = f" on {device}" if device is not None else ""
+    if isinstance(t, torch.Tensor):
+        got = f"{t.dtype} of shape {shape_str(t)} on {t.device}"
+    else:
+        got = type(t).__name__
+    raise ValueError(f"{name} must be a one-element bool tensor{where}{hint}, got {got}")
 
 
 def check_index_tensor(name: str, t: object, *, ndim: int | None = None) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+from prhs_core.checks import check_flag
+
 __all__ = ["ENABLED", "conditional_nodes_supported", "run_if"]
 
 ENABLED = os.environ.get("PRHS_GRAPH_CONDITIONALS", "0").strip().lower() in ("1", "true", "on")
@@ -46,16 +48,6 @@ def conditional_nodes_supported() -> bool:
     return (major, minor) >= (12, 4) and all(hasattr(graph, name) for name in api)
 
 
-def _check_flag(flag: torch.Tensor) -> None:
-    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.numel() != 1:
-        got = (
-            f"{flag.dtype} of shape {tuple(flag.shape)}"
-            if isinstance(flag, torch.Tensor)
-            else type(flag).__name__
-        )
-        raise ValueError(f"run_if needs a one-element bool tensor as its flag, got {got}")
-
-
 @contextlib.contextmanager
 def run_if(flag: torch.Tensor) -> Iterator[bool]:
     """Run the body's kernels only when ``flag`` (a one-element bool tensor) is true at replay.
@@ -66,7 +58,7 @@ def run_if(flag: torch.Tensor) -> Iterator[bool]:
     The body's outputs are written in place or allocated inside it: a skipped body leaves them as
     they were, so nothing downstream may read them when the flag is false.
     """
-    _check_flag(flag)
+    check_flag("run_if's flag", flag)
     capturing = (
         ENABLED
         and flag.device.type == "cuda"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.checks import check_bool_mask, check_int, check_shape
+from prhs_core.checks import check_bool_mask, check_flag, check_int, check_shape
 from prhs_core.layout import KVLayout
 from prhs_kernels.cis.reference import (
     block_eligible_reference,
@@ -139,7 +139,8 @@ def cis_decide(
             "nonfinite must be a one-element int64 tensor on the query's device "
             "(SelectorState.nonfinite)"
         )
-    _check_flag(any_retrieve, query.device)
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
     announce("cis_decide", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import cis_decide_triton
@@ -153,19 +154,6 @@ def cis_decide(
     if any_retrieve is not None:
         any_retrieve |= retrieve.any()
     return retrieve, bad
-
-
-def _check_flag(flag: torch.Tensor | None, device: torch.device) -> None:
-    if flag is not None and (
-        not isinstance(flag, torch.Tensor)
-        or flag.dtype != torch.bool
-        or flag.numel() != 1
-        or flag.device != device
-    ):
-        raise ValueError(
-            "any_retrieve must be a one-element bool tensor on the query's device "
-            "(SelectorState.retrieving)"
-        )
 
 
 def retrieval_block_scores(
@@ -343,7 +331,8 @@ def cis_compose(
     check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
     if m > mm:
         raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
-    _check_flag(any_retrieve, query.device)
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
     announce("cis_compose", path, query.device)
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
     args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
