@@ -1,8 +1,10 @@
 """Kernels that a captured decode step skips when a device flag says they have nothing to do.
 
 A CUDA graph replays every kernel it captured, each one at least a launch (1-3 µs on an H200)
-even when it finds no work. CIS retrieves on a few steps in a hundred, yet its retrieval's three
-kernels (scores, block scores, top-k) would launch in every layer of every step. :func:`run_if`
+even when it finds no work. A CIS layer step where no row retrieves (with ``tau=-1`` a row
+retrieves once every ``n_local`` steps; at a real model's 20-25 % per row, a batch rarely has
+no retrieving row) would still launch its retrieval's three kernels (scores, block scores,
+top-k). :func:`run_if`
 captures such kernels into a CUDA-graph *conditional node*: at each replay the graph reads a
 one-element bool on the device and runs the body only when it is true, with no host read.
 
