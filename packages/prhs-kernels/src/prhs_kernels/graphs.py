@@ -4,9 +4,9 @@ A CUDA graph replays every kernel it captured, each one at least a launch (1-3 Â
 even when it finds no work. A CIS layer step where no row retrieves (with ``tau=-1`` a row
 retrieves once every ``n_local`` steps; at a real model's 20-25 % per row, a batch rarely has
 no retrieving row) would still launch its retrieval's three kernels (scores, block scores,
-top-k). :func:`run_if`
-captures such kernels into a CUDA-graph *conditional node*: at each replay the graph reads a
-one-element bool on the device and runs the body only when it is true, with no host read.
+top-k). :func:`run_if` captures such kernels into a CUDA-graph *conditional node*: at each
+replay the graph reads a one-element bool on the device and runs the body only when it is true,
+with no host read.
 
 The body must be correct whether it runs or not when the flag is false -- the flag only says
 when running it would change nothing -- because outside a capture (eager, on the CPU, on ``meta``
