@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--compile-scope", choices=("parts", "layers"), default="parts")
     ap.add_argument("--fuse", action="store_true", help="table5 --fuse's fused projections")
     ap.add_argument("--gemm", choices=("cublas", "triton"), default="cublas")
+    ap.add_argument("--fuse-layers", action="store_true", help="table5 --fuse-layers (triton)")
     ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
@@ -56,7 +57,7 @@ def main() -> int:
     model = random_model(cfg, dev, torch.bfloat16)
     parts = contextlib.ExitStack()  # held until main returns: a dropped one would restore
     if a.gemm == "triton":
-        parts.enter_context(decode_gemms(model, a.fuse))
+        parts.enter_context(decode_gemms(model, a.fuse, a.fuse_layers))
     elif a.fuse:
         parts.enter_context(fused_projections(model))
     if a.compile:
@@ -117,9 +118,11 @@ def main() -> int:
             print(f"   #{i:3d} {item['us']:7.2f} us  {item['kernel'][:100]}")
         del g
     meta = {"shape": a.shape, "batch": a.batch, "context": a.context, "budget": a.budget,
-            "compile": a.compile, "compile_scope": a.compile_scope, "fuse": a.fuse, "gemm": a.gemm,
+            "compile": a.compile, "compile_scope": a.compile_scope, "fuse": a.fuse,
+            "fuse_layers": a.fuse_layers, "gemm": a.gemm,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
     tag = (f"-compiled-{a.compile_scope}" if a.compile else "") + ("-fused" if a.fuse else "")
+    tag += "-layers" if a.fuse_layers else ""
     tag += "-triton-gemm" if a.gemm == "triton" else ""
     (a.out / f"profile-{a.shape}-B{a.batch}-T{a.context}{tag}.json").write_text(
         json.dumps({"meta": meta, "methods": report}, indent=2) + "\n"

@@ -571,6 +571,12 @@ def _add_table5(sub: Any) -> None:
         "(every method alike; the weights are concatenated once, not copied twice)",
     )  # fmt: skip
     t5.add_argument(
+        "--fuse-layers", action="store_true",
+        help="with --gemm triton: run each Llama-family decoder layer's post-attention RMS "
+        "norm, SiLU·mul and residual adds in its GEMMs' epilogues (implies --fuse; every "
+        "method alike)",
+    )  # fmt: skip
+    t5.add_argument(
         "--gemm", choices=("cublas", "triton"), default="cublas",
         help="the linear layers' GEMMs: cublas (F.linear) or triton (prhs_kernels.gemm's "
         "weight stream at decode sizes; every method alike) (default cublas)",
@@ -627,6 +633,10 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 )
         if args.headroom < 16:
             raise UsageError(f"--headroom must be at least 16, got {args.headroom}")
+        if args.fuse_layers and args.gemm != "triton":
+            raise UsageError(
+                "--fuse-layers needs --gemm triton (the norm and adds run inside prhs's GEMMs)"
+            )
         device = check_device(args.device)
         if args.out.exists() and not args.out.is_dir():
             raise UsageError(f"--out {str(args.out)!r} exists and is not a directory")
@@ -646,6 +656,7 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
             layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
             fuse=args.fuse, compile_scope=args.compile_scope, gemm=args.gemm, progress=say,
+            fuse_layers=args.fuse_layers,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)
@@ -680,7 +691,9 @@ def _table5_write(parser: argparse.ArgumentParser, args: argparse.Namespace, run
         "`torch.compile` (attention did not), for every method of that run; `· compiled "
         "layers`: each decoder layer did, whole (prhs's attention excluded from tracing); "
         "`· fused`: each layer's q/k/v projections ran as one GEMM and its gate/up as "
-        "another, for every method of that run; `· triton GEMMs`: every linear layer ran "
+        "another, for every method of that run; `· fused layers`: that, and each layer's "
+        "post-attention RMS norm, SiLU·mul and residual adds ran in its GEMMs' epilogues; "
+        "`· triton GEMMs`: every linear layer ran "
         "prhs's decode GEMM (`prhs_kernels.gemm`) instead of cuBLAS, for every method of that "
         "run"
         + ". `sdpa`: transformers' attention over the static cache; `dense`: prhs's dense "

@@ -263,6 +263,7 @@ class ThroughputPoint:
     compiled: str | None = None  # the torch.compile backend of the model's parts, if any
     compile_scope: str | None = None  # what it compiled (COMPILE_SCOPES); None: "parts"
     fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
+    fused_layers: bool = False  # post-attention work in GEMM epilogues (fused_layers)
     gemm: str | None = None  # "triton": the linear layers through decode_gemms; None: cuBLAS
     skipped: str | None = None
 
@@ -281,9 +282,10 @@ class ThroughputPoint:
 
 def _join_key(p: ThroughputPoint) -> tuple:
     """What makes two rows the same point: (shape, B, T, method, compile backend and scope,
-    fused, GEMM); rows written before a field existed read as its default."""
+    fused, fused layers, GEMM); rows written before a field existed read as its default."""
     scope = (p.compile_scope or "parts") if p.compiled else None
-    return (p.shape, p.batch, p.context, p.method, p.compiled, scope, p.fused, p.gemm or "cublas")
+    return (p.shape, p.batch, p.context, p.method, p.compiled, scope, p.fused, p.fused_layers,
+            p.gemm or "cublas")  # fmt: skip
 
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
@@ -469,7 +471,9 @@ def _concat_into(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torc
 
 @contextlib.contextmanager
 def fused_projections(
-    model: Any, linear: Callable[..., torch.Tensor] | None = None
+    model: Any,
+    linear: Callable[..., torch.Tensor] | None = None,
+    exclude: Sequence[Any] = (),
 ) -> Iterator[tuple[int, int]]:
     """Within the block, every attention module with ``q_proj``/``k_proj``/``v_proj`` computes
     the three with one GEMM, and every MLP with ``gate_proj``/``up_proj``/``down_proj``/
@@ -480,14 +484,18 @@ def fused_projections(
     concatenation (no second copy; the values are unchanged, so the model computes what it
     did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
     stay views: same values). A model whose modules have other names is left alone; one with
-    neither is an error."""
+    neither is an error. Modules inside ``exclude`` (:func:`fused_layers`' MLPs) are left
+    alone."""
     import torch.nn.functional as F
 
     linear = linear or F.linear
     patched: list[tuple[Any, Any]] = []  # (module, the forward its instance had, if any)
     attn = mlps = 0
+    skip = {id(sub) for mod in exclude for sub in mod.modules()}
     try:
         for m in model.modules():
+            if id(m) in skip:
+                continue
             lins = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
             if all(_is_linear(x) for x in lins):
                 weight, bias = _concat_into(lins)
@@ -509,11 +517,117 @@ def fused_projections(
                 patched.append((m, m.__dict__.get("forward")))
                 m.forward = _fused_mlp_forward(m, weight, bias, lins[0].out_features, linear)
                 mlps += 1
-        if not attn and not mlps:
+        if not attn and not mlps and not exclude:
             raise ValueError(f"{type(model).__name__} has no q/k/v or gate/up projections to fuse")
         yield attn, mlps
     finally:
         for mod, old in patched:
+            if old is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = old
+
+
+#: The decoder layers :func:`fused_layers` runs, by class name: transformers' Llama
+#: family, whose forward is ``h = x + attn(norm1(x)); return h + mlp(norm2(h))`` with RMS norms
+#: (:data:`FUSED_NORMS`) and a SwiGLU MLP.
+FUSED_LAYERS = (
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+)  # fmt: skip
+#: The RMS norms whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)``.
+FUSED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _fusable_layer(layer: Any) -> bool:
+    """``layer`` is one :func:`fused_layers` can run: a :data:`FUSED_LAYERS` class with
+    :data:`FUSED_NORMS` norms, linear q/k/v/o projections and a SiLU-gated MLP."""
+    if type(layer).__name__ not in FUSED_LAYERS:
+        return False
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    if not all(type(n).__name__ in FUSED_NORMS for n in norms):
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(_is_linear(getattr(mod, n, None)) for mod, n in names):
+        return False
+    return (type(getattr(mlp, "act_fn", None)).__name__ in _SILU
+            and mlp.gate_proj.out_features == mlp.up_proj.out_features)  # fmt: skip
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None
+                         ) -> Callable[..., torch.Tensor]:  # fmt: skip
+    """A Llama-family decoder layer's forward with the work after its attention in three GEMM
+    epilogues: ``h = x + o(attn)`` with the post-attention norm's weight and sums of squares
+    (:func:`~prhs_kernels.gemm.decode_linear_residual_norm`), ``silu(gate) * up`` of the normed
+    ``h`` (:func:`~prhs_kernels.gemm.decode_linear_swiglu`), and ``h + down(...)``
+    (:func:`~prhs_kernels.gemm.decode_linear`'s ``residual``). The attention module (its o
+    projection the identity, see :func:`fused_layers`) returns the heads' output unprojected."""
+    import inspect
+
+    from prhs_kernels.gemm import decode_linear, decode_linear_residual_norm, decode_linear_swiglu
+
+    # The original forward's keyword names after hidden_states, for arguments given by position.
+    params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+    names = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    attn, norm_in = layer.self_attn, layer.input_layernorm
+    o, down, norm = attn.o_proj, layer.mlp.down_proj, layer.post_attention_layernorm
+    eps = float(norm.variance_epsilon)
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) > len(names):
+            raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} "
+                            f"positional arguments, got {len(args) + 1}")  # fmt: skip
+        kwargs.update(zip(names, args, strict=False))
+        heads, _ = attn(hidden_states=norm_in(hidden_states), **kwargs)
+        h, hg, sumsq = decode_linear_residual_norm(
+            heads, o.weight, o.bias, residual=hidden_states, norm_weight=norm.weight
+        )
+        act = decode_linear_swiglu(hg, gate_up, gate_up_bias, sumsq=sumsq, eps=eps)
+        return decode_linear(act, down.weight, down.bias, residual=h)
+
+    return forward
+
+
+@contextlib.contextmanager
+def fused_layers(model: Any) -> Iterator[int]:
+    """Within the block, each Llama-family decoder layer (:func:`_fusable_layer`:
+    :data:`FUSED_LAYERS`) runs the work after its attention as three of prhs's decode GEMMs
+    (:mod:`prhs_kernels.gemm`) with everything between them in their epilogues: the o
+    projection adds the residual and applies the post-attention RMS norm's weight, writing the
+    sums of squares the norm needs; the gate|up GEMM (gate and up as one weight, no second
+    copy) scales by the norm's ``1 / rms`` and writes ``silu(gate) * up``; the down projection
+    adds the residual. The input norm, the attention (q|k|v as one GEMM when
+    :func:`fused_projections` is entered too, rotary embedding, cache write, prhs's or
+    transformers' attention) are the layer's own. At a decode step's few rows that removes
+    three launches a layer (the post-attention norm, the SiLU·mul and the last residual add)
+    and the ``[rows, 2·intermediate]`` gate|up output. The model computes what it did up to
+    where the norm rounds (:func:`~prhs_kernels.gemm.decode_linear_residual_norm`). Yields the
+    layers fused; other layers are left alone, and a model with none is an error. Restored on
+    exit (the gate/up weights stay views of their concatenation: same values)."""
+    layers = [m for m in model.modules() if _fusable_layer(m)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layer to fuse (one of {FUSED_LAYERS} with "
+            f"{FUSED_NORMS} norms and a SiLU-gated MLP)"
+        )
+    patched: list[tuple[Any, Any]] = []
+    try:
+        for layer in layers:
+            mlp, o = layer.mlp, layer.self_attn.o_proj
+            gate_up, gate_up_bias = _concat_into([mlp.gate_proj, mlp.up_proj])
+            patched.append((o, o.__dict__.get("forward")))
+            o.forward = _identity  # the layer's forward projects the heads, in an epilogue GEMM
+            patched.append((layer, layer.__dict__.get("forward")))
+            layer.forward = _fused_layer_forward(layer, gate_up, gate_up_bias)
+        yield len(layers)
+    finally:
+        for mod, old in reversed(patched):
             if old is None:
                 mod.__dict__.pop("forward", None)
             else:
@@ -525,17 +639,25 @@ GEMMS = ("cublas", "triton")
 
 
 @contextlib.contextmanager
-def decode_gemms(model: Any, fuse: bool = False) -> Iterator[int]:
+def decode_gemms(model: Any, fuse: bool = False, fuse_layers: bool = False) -> Iterator[int]:
     """Within the block, every ``nn.Linear`` of the model (the projections, the MLP, the LM
     head) runs :func:`prhs_kernels.gemm.decode_linear` -- a Triton weight stream at decode
     sizes (at most 16 rows on CUDA, fp16/bf16), ``F.linear`` otherwise -- and with ``fuse`` the
-    fused q/k/v and gate/up GEMMs of :func:`fused_projections` too (entered here). Yields the
-    linear layers rerouted; every forward is restored on exit."""
+    fused q/k/v and gate/up GEMMs of :func:`fused_projections` too (entered here); with
+    ``fuse_layers`` (which implies ``fuse``) the decoder layers :func:`fused_layers` takes run
+    their post-attention norm, SiLU·mul and residual adds in GEMM epilogues, the rest as
+    ``fuse`` says. Yields the linear layers rerouted; every forward is restored on exit."""
     from prhs_kernels.gemm import decode_linear
 
     with contextlib.ExitStack() as stack:
-        if fuse:
-            stack.enter_context(fused_projections(model, linear=decode_linear))
+        whole: list[Any] = []
+        if fuse_layers:
+            stack.enter_context(fused_layers(model))
+            whole = [
+                m.mlp for m in model.modules() if "forward" in m.__dict__ and _fusable_layer(m)
+            ]
+        if fuse or fuse_layers:
+            stack.enter_context(fused_projections(model, linear=decode_linear, exclude=whole))
         patched = []  # the Linears whose forward this block set (fused ones keep theirs)
         try:
             for mod in model.modules():
@@ -681,6 +803,7 @@ def _measure(
     fused: bool = False,
     compile_scope: str | None = None,
     gemm: str = "cublas",
+    fused_layers: bool = False,
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped).
 
@@ -697,6 +820,7 @@ def _measure(
         m.label,
         compiled=compiled,
         fused=fused,
+        fused_layers=fused_layers,
         compile_scope=compile_scope if compiled else None,
         gemm=None if gemm == "cublas" else gemm,
     )
@@ -761,6 +885,7 @@ def decode_throughput(
     compile_scope: str = "parts",
     gemm: str = "cublas",
     progress: Callable[[str], None] | None = None,
+    fuse_layers: bool = False,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
     context (bandwidth, weight bytes, config).
@@ -772,7 +897,9 @@ def decode_throughput(
     (:func:`compiled_parts`), every method alike; ``None``: eager modules.
     ``fuse``: each layer's q/k/v and gate/up projections as one GEMM each
     (:func:`fused_projections`), every method alike. ``gemm="triton"``: every linear layer
-    through prhs's decode GEMM (:func:`decode_gemms`), every method alike.
+    through prhs's decode GEMM (:func:`decode_gemms`), every method alike; with it,
+    ``fuse_layers`` runs each Llama-family decoder layer's post-attention norm, SiLU·mul and
+    residual adds in its GEMMs' epilogues (:func:`fused_layers`; implies ``fuse``).
     """
     device = torch.device(device)
     if headroom < 16:
@@ -783,20 +910,25 @@ def decode_throughput(
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if fuse_layers and gemm != "triton":
+        raise ValueError(
+            "fuse_layers needs gemm='triton': the norms and adds run inside prhs's decode GEMMs"
+        )
+    fuse = fuse or fuse_layers
     say = progress or (lambda _m: None)
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
     with contextlib.ExitStack() as stack:
         # Before compiling: the compiled modules trace the fused / rerouted forwards.
         if gemm == "triton":
-            stack.enter_context(decode_gemms(model, fuse))
+            stack.enter_context(decode_gemms(model, fuse, fuse_layers))
         elif fuse:
             stack.enter_context(fused_projections(model))
         if compile is not None:
             stack.enter_context(compiled_parts(model, compile, compile_scope))
         points, bw, params = _run_points(
             model, config, shape, batches, contexts, methods, device, dtype, headroom,
-            memory_fraction, seed, compile, fuse, compile_scope, gemm, say,
+            memory_fraction, seed, compile, fuse, compile_scope, gemm, say, fuse_layers,
         )  # fmt: skip
     context = {
         "shape": shape,
@@ -812,6 +944,7 @@ def decode_throughput(
         "compile_scope": compile_scope if compile is not None else None,
         "gemm": gemm,
         "fuse": fuse,
+        "fuse_layers": fuse_layers,
         "methods": [m.label for m in methods],
     }
     del model
@@ -837,6 +970,7 @@ def _run_points(
     compile_scope: str,
     gemm: str,
     say: Callable[[str], None],
+    fuse_layers: bool = False,
 ) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
     per_token = kv_bytes_per_token(config, dtype)
@@ -883,6 +1017,7 @@ def _run_points(
                     fuse,
                     compile_scope,
                     gemm,
+                    fuse_layers,
                 )
                 for m in methods
             ]
@@ -938,7 +1073,7 @@ def point_label(p: ThroughputPoint) -> str:
     label = p.method
     if p.compiled:
         label += " · compiled layers" if p.compile_scope == "layers" else " · compiled"
-    label += " · fused" if p.fused else ""
+    label += " · fused layers" if p.fused_layers else " · fused" if p.fused else ""
     return label + (" · triton GEMMs" if p.gemm == "triton" else "")
 
 

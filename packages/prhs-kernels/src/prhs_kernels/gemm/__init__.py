@@ -8,11 +8,24 @@ input -- more rows, float32, a CPU tensor (``TRITON_INTERPRET=1`` aside), a weig
 are not contiguous, ``PRHS_KERNELS=torch`` -- goes to ``torch.nn.functional.linear``. The choice
 is a function of the device, dtype and shapes only, made before anything runs.
 
-The Triton path is the custom op ``torch.ops.prhs.decode_linear`` (``torch.library``), so a
-``torch.compile``'d model calls it as one opaque op, and a CUDA graph captures it as one launch.
+Two decode GEMMs take a decoder layer's elementwise work into their epilogues (on the float32
+accumulator, after the weight has streamed: the loop that streams it is left as it is), so none
+of it costs a launch of its own: :func:`decode_linear_residual_norm` -- a projection, the
+residual add after it, and the first half of the RMS norm that follows (the norm's weight
+applied, the sums of squares over each program's columns); and :func:`decode_linear_swiglu` --
+an MLP's gate and up projections as one weight stream that scales each row by the norm's
+``1 / rms`` (the second half) and writes ``silu(gate) * up``. :func:`decode_linear`'s
+``residual`` adds the residual stream to a projection's output (the MLP's down projection).
+
+The Triton paths are the custom ops ``torch.ops.prhs.decode_linear``,
+``prhs::decode_linear_residual_norm`` and ``prhs::decode_linear_swiglu`` (``torch.library``), so
+a ``torch.compile``'d model calls each as one opaque op, and a CUDA graph captures each as one
+launch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,32 +33,136 @@ import torch.nn.functional as F
 from prhs_core.checks import check_float_tensor
 from prhs_kernels.paths import announce, kernel_path
 
-__all__ = ["MAX_ROWS", "decode_linear", "decode_linear_path", "decode_linear_reference"]
+__all__ = [
+    "MAX_ROWS",
+    "decode_linear",
+    "decode_linear_path",
+    "decode_linear_reference",
+    "decode_linear_residual_norm",
+    "decode_linear_swiglu",
+]
 
 MAX_ROWS = 16
 """The most rows (``x.numel() // K``) the Triton path takes."""
 
 
 def decode_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x Wᵀ + b`` accumulated in float32, in ``x``'s dtype: what the kernel computes."""
+    """``x Wᵀ + b (+ residual)`` accumulated in float32, in ``x``'s dtype: what the kernel
+    computes."""
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if residual is not None:
+        y = y + residual.float()
     return y.to(x.dtype)
+
+
+def _residual_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h = decode_linear_reference(x, weight, bias, residual)
+    hf = h.float()
+    hg = (hf * norm_weight.float()).to(h.dtype)
+    return h, hg, hf.pow(2).sum(-1).reshape(1, -1)
+
+
+def _swiglu_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    y = F.linear(x.float(), weight.float())
+    if sumsq is not None:  # one scale per row of x, in order
+        scale = torch.rsqrt(sumsq.sum(0) / x.shape[-1] + eps)
+        y = y * scale.reshape(*x.shape[:-1], 1)
+    if bias is not None:
+        y = y + bias.float()
+    gate, up = y.chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 @torch.library.custom_op("prhs::decode_linear", mutates_args=())
 def _decode_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from prhs_kernels.gemm.triton import decode_linear_triton
 
-    return decode_linear_triton(x, weight, bias)
+    return decode_linear_triton(x, weight, bias, residual=residual)[0]
 
 
 @_decode_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("prhs::decode_linear_residual_norm", mutates_args=())
+def _residual_norm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from prhs_kernels.gemm.triton import decode_linear_triton
+
+    return decode_linear_triton(x, weight, bias, residual=residual, norm_weight=norm_weight)
+
+
+@_residual_norm_op.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from prhs_kernels.gemm.triton import plan
+
+    m, n = x.shape[0], weight.shape[0]
+    parts = -(-n // plan(n, weight.shape[1])[0])
+    h = x.new_empty(m, n)
+    return h, torch.empty_like(h), x.new_empty(parts, m, dtype=torch.float32)
+
+
+@torch.library.custom_op("prhs::decode_linear_swiglu", mutates_args=())
+def _swiglu_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    from prhs_kernels.gemm.triton import decode_linear_triton
+
+    return decode_linear_triton(x, weight, bias, swiglu=True, sumsq=sumsq, eps=eps)[0]
+
+
+@_swiglu_op.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sumsq: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
 def decode_linear_path(rows: int, weight: torch.Tensor) -> str:
@@ -77,20 +194,122 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             )
 
 
+def _check_like(name: str, t: torch.Tensor, x: torch.Tensor, shape: Sequence[int]) -> None:
+    """``t`` is a float tensor of ``shape`` on ``x``'s device, in its dtype."""
+    check_float_tensor(name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    if t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(
+            f"{name} must match x's dtype and device ({x.dtype}, {x.device}), got "
+            f"{t.dtype}, {t.device}"
+        )
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as ``[rows, last]`` with a contiguous last dim (a view where it already is)."""
+    t2 = t.reshape(rows, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def decode_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]ᵀ (+ bias [N])`` -> ``[..., N]``, as ``F.linear`` computes it
     (float32 accumulation, the output in ``x``'s dtype); the Triton weight stream where
-    :func:`decode_linear_path` says so."""
+    :func:`decode_linear_path` says so. ``residual [..., N]``: added to the output in the same
+    pass (a decoder layer's residual stream after its down projection), before the one
+    rounding to ``x``'s dtype; on the ``torch`` path, ``residual + F.linear(...)`` as the unfused
+    layer computes it."""
     _check(x, weight, bias)
-    k = weight.shape[1]
+    n, k = weight.shape
+    if residual is not None:
+        _check_like("residual", residual, x, (*x.shape[:-1], n))
     rows = x.numel() // k if k else 0
     path = decode_linear_path(rows, weight)
     if path == "torch" or rows == 0:
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
     announce("decode_linear", path, x.device)
-    x2 = x.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return _decode_linear_op(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    res = None if residual is None else _rows(residual, rows)
+    return _decode_linear_op(_rows(x, rows), weight, bias, res).view(*x.shape[:-1], n)
+
+
+def decode_linear_residual_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A projection, the residual add after it, and the first half of the RMS norm that
+    follows, in one weight stream: ``h = residual + x Wᵀ (+ b)`` ``[..., N]`` (rounded once to
+    ``x``'s dtype), ``hg = h ⊙ norm_weight`` (rounded) and ``sumsq [P, rows]`` float32, the sums
+    of ``h²`` over ``P`` disjoint column stripes of each row (``P`` is the kernel's stripe count;
+    1 on the ``torch`` path). Returns ``(h, hg, sumsq)``: :func:`decode_linear_swiglu` of
+    ``hg`` with ``sumsq`` is the MLP's gate/up projection of ``rms_norm(h)`` (a Llama-family
+    decoder layer's ``mlp(post_attention_layernorm(residual + o_proj(attn)))``), the norm's
+    ``1 / rms`` applied to its accumulator: the norm costs no launch, and ``hg`` is read once.
+
+    It differs from the unfused layer by where the norm rounds: that layer rounds
+    ``h / rms(h)`` to ``x``'s dtype and then multiplies by ``norm_weight``; here ``h ⊙
+    norm_weight`` is rounded and ``1 / rms`` scales a float32 sum."""
+    _check(x, weight, bias)
+    n, k = weight.shape
+    _check_like("residual", residual, x, (*x.shape[:-1], n))
+    _check_like("norm_weight", norm_weight, x, (n,))
+    rows = x.numel() // k if k else 0
+    path = decode_linear_path(rows, weight)
+    if path == "torch" or rows == 0:
+        h, hg, sumsq = _residual_norm_reference(x, weight, bias, residual, norm_weight)
+        return h, hg, sumsq
+    announce("decode_linear", path, x.device)
+    h, hg, sumsq = _residual_norm_op(
+        _rows(x, rows), weight, bias, _rows(residual, rows), norm_weight.contiguous()
+    )
+    shape = (*x.shape[:-1], n)
+    return h.view(shape), hg.view(shape), sumsq
+
+
+def decode_linear_swiglu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """A SwiGLU MLP's gate and up projections as one weight stream: ``weight [2N, K]`` is
+    ``[gate; up]`` (``bias [2N]`` likewise), ``[g | u] = s · x Wᵀ + b`` and the result is
+    ``silu(g) * u`` ``[..., N]``, computed in float32 and rounded once. ``sumsq [P, rows]``
+    (float32, as :func:`decode_linear_residual_norm` returns it): ``s = 1 / sqrt(Σ_p sumsq / K
+    + eps)`` per row, the RMS norm's scale of the row ``x`` was made from; without it ``s = 1``.
+    Each program streams the gate rows and the up rows of the same output columns into two
+    accumulators, so ``silu(g) * u`` is its epilogue (no launch of its own, and the ``[rows,
+    2N]`` intermediate is never written)."""
+    _check(x, weight, bias)
+    two_n, k = weight.shape
+    if two_n % 2:
+        raise ValueError(f"weight must be [gate; up], [2N, K], got {two_n} rows (odd)")
+    rows = x.numel() // k if k else 0
+    if sumsq is not None:
+        check_float_tensor("sumsq", sumsq, ndim=2)
+        if sumsq.dtype != torch.float32 or sumsq.shape[1] != rows or sumsq.device != x.device:
+            raise ValueError(
+                f"sumsq must be float32 [P, rows] = [P, {rows}] on {x.device} (the partial "
+                f"sums decode_linear_residual_norm returns), got {sumsq.dtype} "
+                f"{list(sumsq.shape)} on {sumsq.device}"
+            )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    path = decode_linear_path(rows, weight)
+    if path == "torch" or rows == 0:
+        return _swiglu_reference(x, weight, bias, sumsq, float(eps))
+    announce("decode_linear", path, x.device)
+    y = _swiglu_op(_rows(x, rows), weight, bias, sumsq, float(eps))
+    return y.view(*x.shape[:-1], two_n // 2)
