@@ -1,6 +1,6 @@
 """A decoder layer's post-attention work in GEMM epilogues, on the GPU: each fused decode GEMM
-(:func:`prhs_kernels.gemm.decode_linear_residual_norm`, :func:`~prhs_kernels.gemm.decode_linear_swiglu`,
-:func:`~prhs_kernels.gemm.decode_linear`'s ``residual``) against the plain GEMM plus the
+(:mod:`prhs_kernels.gemm`'s ``decode_linear_residual_norm``, ``decode_linear_swiglu`` and
+``decode_linear``'s ``residual``) against the plain GEMM plus the
 Inductor kernel it replaces, on the Llama-2-7B / Llama-3-8B projections; with ``--sweep`` the
 SwiGLU GEMM's plans (how :func:`prhs_kernels.gemm.triton.plan_swiglu` was chosen); then a
 two-layer model's logits with and without :func:`prhs_eval.throughput.fused_layers`.
