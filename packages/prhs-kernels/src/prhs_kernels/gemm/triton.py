@@ -144,9 +144,10 @@ def plan_swiglu(n: int, k: int) -> tuple[int, int, int, int]:
     """:func:`plan` of a SwiGLU GEMM whose output has ``N`` columns (its weight ``[2N, K]``):
     each program streams ``BLOCK_N`` gate rows and the ``BLOCK_N`` up rows of the same columns,
     so a stripe of ``BLOCK_N`` is as many weight bytes as one of ``2·BLOCK_N`` of the plain
-    kernel."""
+    kernel. ``(64, 128, 4, 3)`` was the fastest of a sweep on the H200 at both Llama shapes'
+    gate|up (within 1.5 % of the plain kernel over the same ``[2N, K]`` weight)."""
     del n, k
-    return 32, 128, 4, 4
+    return 64, 128, 4, 3
 
 
 def decode_linear_triton(
