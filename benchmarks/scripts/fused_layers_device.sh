@@ -26,3 +26,5 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
         rm -f "$OUT/$shape-b$batch-t$context-unfused"/table5/{README.md,table.rst,*.png}
     fi
 done
+# Only a few files come back from the device: every point's rows in one file as well.
+cat "$OUT"/*/table5/rows.jsonl > "$OUT/all-rows.jsonl" 2>/dev/null || true

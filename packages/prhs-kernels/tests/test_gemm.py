@@ -1,12 +1,21 @@
-"""The decode-size linear layer's launcher: which path it takes, and its input checks (the
-Triton kernel itself is tested in ``interpreted/test_gemm_kernels.py``)."""
+"""The decode-size linear layer's launcher and its epilogue variants: which path they take, what
+the torch path computes, and their input checks (the Triton kernel itself is tested in
+``interpreted/test_gemm_kernels.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from prhs_kernels.gemm import MAX_ROWS, decode_linear, decode_linear_path, decode_linear_reference
+from prhs_kernels.gemm import (
+    MAX_ROWS,
+    decode_linear,
+    decode_linear_path,
+    decode_linear_reference,
+    decode_linear_residual_norm,
+    decode_linear_swiglu,
+)
 
 
 def test_paths_by_device_dtype_rows_and_layout(monkeypatch):
@@ -43,3 +52,131 @@ def test_torch_path_is_f_linear(monkeypatch):
 def test_bad_input_is_a_clear_error(x, w, b, message):
     with pytest.raises((ValueError, TypeError), match=message):
         decode_linear(x, w, b)
+
+
+@pytest.fixture
+def _torch_path(monkeypatch):
+    """CPU tensors without the interpreter: every op takes its torch path."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.usefixtures("_torch_path")
+def test_torch_path_residual_is_added_to_f_linear():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 1, 16, generator=gen), torch.randn(10, 16, generator=gen), None
+    r = torch.randn(3, 1, 10, generator=gen)
+    torch.testing.assert_close(decode_linear(x, w, b, residual=r), r + F.linear(x, w))
+    torch.testing.assert_close(decode_linear(x, w, residual=r), decode_linear_reference(x, w, b, r))
+    # In bf16, as the unfused layer computes it: F.linear rounded, then the residual added.
+    xb, wb, rb = x.bfloat16(), w.bfloat16(), r.bfloat16()
+    assert torch.equal(decode_linear(xb, wb, residual=rb), rb + F.linear(xb, wb))
+
+
+@pytest.mark.usefixtures("_torch_path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_residual_norm_is_h_h_times_g_and_sums_of_squares(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 24, generator=gen).to(dtype)
+    w, b = torch.randn(40, 24, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    r, g = torch.randn(2, 1, 40, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    h, hg, sumsq = decode_linear_residual_norm(x, w, b, residual=r, norm_weight=g)
+    want = (F.linear(x.float(), w.float(), b.float()) + r.float()).to(dtype)  # rounded once
+    assert torch.equal(h, want) and h.dtype == hg.dtype == dtype
+    assert torch.equal(hg, (h.float() * g.float()).to(dtype))
+    assert sumsq.shape == (1, 2) and sumsq.dtype == torch.float32  # one stripe, two rows
+    torch.testing.assert_close(sumsq[0], h.float().pow(2).sum(-1).flatten())
+
+
+@pytest.mark.usefixtures("_torch_path")
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_path_swiglu_is_silu_gate_times_up(bias):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 1, 16, generator=gen), torch.randn(2 * 12, 16, generator=gen)
+    b = torch.randn(24, generator=gen) if bias else None
+    y = F.linear(x, w, b)
+    want = F.silu(y[..., :12]) * y[..., 12:]
+    got = decode_linear_swiglu(x, w, b)
+    assert got.shape == (3, 1, 12)
+    torch.testing.assert_close(got, want)
+    # With partial sums of squares: each row scaled by rsqrt(Σ sumsq / K + eps) before the bias.
+    sumsq = torch.rand(4, 3, generator=gen) * 16 + 1
+    s = torch.rsqrt(sumsq.sum(0) / 16 + 1e-3).reshape(3, 1, 1)
+    y = F.linear(x, w) * s + (0 if b is None else b)
+    want = F.silu(y[..., :12]) * y[..., 12:]
+    torch.testing.assert_close(decode_linear_swiglu(x, w, b, sumsq=sumsq, eps=1e-3), want)
+
+
+@pytest.mark.usefixtures("_torch_path")
+def test_torch_path_residual_norm_then_swiglu_is_rms_norm_and_the_mlp():
+    gen = torch.Generator().manual_seed(3)
+    n, k, f, eps = 32, 24, 20, 1e-5
+    o, w_o = torch.randn(4, 1, k, generator=gen), torch.randn(n, k, generator=gen)
+    res, g = torch.randn(4, 1, n, generator=gen), torch.randn(n, generator=gen)
+    w_gu = torch.randn(2 * f, n, generator=gen)
+    h, hg, sumsq = decode_linear_residual_norm(o, w_o, residual=res, norm_weight=g)
+    got = decode_linear_swiglu(hg, w_gu, sumsq=sumsq, eps=eps)
+    hf = F.linear(o, w_o) + res
+    normed = F.rms_norm(hf, (n,), g, eps)
+    want = F.silu(F.linear(normed, w_gu[:f])) * F.linear(normed, w_gu[f:])
+    torch.testing.assert_close(h, hf)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _bad_cases():
+    x, w, w2 = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 8)
+    nw = torch.randn(4)
+    ss = torch.rand(2, 3)
+    linear = [
+        ({"residual": torch.randn(3, 5)}, r"residual must be \[3, 4\], got \[3, 5\]"),
+        ({"residual": torch.randn(4)}, r"residual must be \[3, 4\]"),
+        ({"residual": torch.randn(3, 4).double()}, "residual must match x's dtype"),
+        ({"residual": torch.ones(3, 4, dtype=torch.long)}, "residual must be a floating-point"),
+    ]
+    norm = [
+        ({"residual": torch.randn(1, 3, 4), "norm_weight": nw}, r"residual must be \[3, 4\]"),
+        (
+            {"residual": torch.randn(3, 4), "norm_weight": torch.randn(5)},
+            r"norm_weight must be \[4\]",
+        ),
+        (
+            {"residual": torch.randn(3, 4), "norm_weight": torch.randn(1, 4)},
+            r"norm_weight must be \[4\]",
+        ),
+        (
+            {"residual": torch.randn(3, 4), "norm_weight": nw.half()},
+            "norm_weight must match x's dtype",
+        ),
+    ]
+    swiglu = [
+        (w[:3], {}, r"weight must be \[gate; up\], \[2N, K\], got 3 rows \(odd\)"),
+        (w2, {"sumsq": torch.rand(3)}, "sumsq must have 2 dimensions"),
+        (w2, {"sumsq": torch.rand(2, 4)}, r"sumsq must be float32 \[P, rows\] = \[P, 3\]"),
+        (w2, {"sumsq": torch.rand(0, 3)}, r"\(P >= 1\).*got torch.float32 \[0, 3\]"),
+        (w2, {"sumsq": ss.bfloat16()}, r"sumsq must be float32 .* got torch.bfloat16"),
+        (w2, {"sumsq": ss.double()}, r"sumsq must be float32 .* got torch.float64"),
+        (w2, {"sumsq": torch.ones(2, 3, dtype=torch.int32)}, "sumsq must be a floating-point"),
+        (w2, {"sumsq": ss, "eps": -1e-6}, "eps must be a finite float >= 0, got -1e-06"),
+        (w2, {"sumsq": ss, "eps": float("nan")}, "eps must be a finite float >= 0, got nan"),
+        (w2, {"sumsq": ss, "eps": float("inf")}, "eps must be a finite float >= 0, got inf"),
+        (w2, {"eps": True}, "eps must be a finite float"),
+        (w2, {"eps": torch.tensor(1e-6)}, "eps must be a finite float"),
+    ]
+    cases = [(decode_linear, w, kw, m, "linear") for kw, m in linear]
+    cases += [(decode_linear_residual_norm, w, kw, m, "norm") for kw, m in norm]
+    cases += [(decode_linear_swiglu, ww, kw, m, "swiglu") for ww, kw, m in swiglu]
+    return [
+        pytest.param(op, x, ww, kw, m, id=f"{name}-{i}")
+        for i, (op, ww, kw, m, name) in enumerate(cases)
+    ]
+
+
+@pytest.mark.parametrize(("op", "x", "w", "kwargs", "message"), _bad_cases())
+def test_bad_epilogue_input_is_a_clear_error(op, x, w, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        op(x, w, **kwargs)
+
+
+def test_swiglu_bias_is_both_halves():
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[6\], got \[3\]"):
+        decode_linear_swiglu(x, w, torch.randn(3))

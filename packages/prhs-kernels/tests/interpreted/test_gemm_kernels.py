@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from prhs_kernels import paths
-from prhs_kernels.gemm import MAX_ROWS, decode_linear, decode_linear_path, decode_linear_reference
+from prhs_kernels.gemm import (
+    MAX_ROWS,
+    _residual_norm_reference,
+    _swiglu_reference,
+    decode_linear,
+    decode_linear_path,
+    decode_linear_reference,
+    decode_linear_residual_norm,
+    decode_linear_swiglu,
+)
 from prhs_kernels.gemm import triton as gemm_triton
 
 
@@ -62,3 +72,162 @@ def test_plans_are_static_functions_of_the_weight_shape():
     assert gemm_triton.plan(12288, 4096) == (64, 128, 4, 4)
     assert gemm_triton.plan(22016, 4096) == (64, 128, 4, 3)
     assert gemm_triton.plan(128256, 4096) == (64, 128, 4, 4)
+
+
+# The epilogues. The interpreter truncates float32 to bf16 where a GPU rounds, so a result is up
+# to one bf16 step (2⁻⁷ relative) off the reference's rounding, and sums of the truncated h²
+# up to ~1 % under the reference's.
+BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
+
+EPILOGUE_SHAPES = [
+    ((1,), 64, 128, True),  # one row, whole tiles
+    ((3,), 70, 200, True),  # a partial stripe of rows, a partial tile of columns
+    ((2, 1), 48, 128, False),  # [B, 1, K] as a decoder layer passes it
+    ((MAX_ROWS,), 130, 64, True),  # every row the kernel takes; three stripes, the last of 2
+]
+
+
+def _draw(lead, n, k, bias, *, dtype=torch.bfloat16, weight_rows=None, seed=0):
+    gen = torch.Generator().manual_seed(seed + n * k)
+    rows = weight_rows or n
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
+    w = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(rows, generator=gen).to(dtype) if bias else None
+    return gen, x, w, b
+
+
+@pytest.mark.parametrize(("lead", "n", "k", "bias"), EPILOGUE_SHAPES)
+def test_residual_is_added_before_the_one_rounding(lead, n, k, bias):
+    gen, x, w, b = _draw(lead, n, k, bias)
+    r = (4 * torch.randn(*lead, n, generator=gen)).to(x.dtype)
+    got = decode_linear(x, w, b, residual=r)
+    assert got.shape == (*lead, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, decode_linear_reference(x, w, b, r), **BF16_TOL)
+    # A residual whose rows are strided (a slice of a wider stream) is read as its values.
+    wide = (4 * torch.randn(*lead, 2 * n, generator=gen)).to(x.dtype)[..., ::2]
+    got = decode_linear(x, w, b, residual=wide)
+    torch.testing.assert_close(got, decode_linear_reference(x, w, b, wide), **BF16_TOL)
+
+
+@pytest.mark.parametrize(("lead", "n", "k", "bias"), EPILOGUE_SHAPES)
+def test_residual_norm_writes_h_hg_and_partial_sums_of_squares(lead, n, k, bias):
+    gen, x, w, b = _draw(lead, n, k, bias)
+    r = (4 * torch.randn(*lead, n, generator=gen)).to(x.dtype)
+    g = (1 + 0.5 * torch.randn(n, generator=gen)).to(x.dtype)
+    rows = x.numel() // k
+    h, hg, sumsq = decode_linear_residual_norm(x, w, b, residual=r, norm_weight=g)
+    ref_h, ref_hg, ref_sumsq = _residual_norm_reference(x, w, b, r, g)
+    stripes = -(-n // gemm_triton.plan(n, k)[0])
+    assert h.shape == hg.shape == (*lead, n) and h.dtype == hg.dtype == x.dtype
+    assert sumsq.shape == (stripes, rows) and sumsq.dtype == torch.float32
+    torch.testing.assert_close(h, ref_h, **BF16_TOL)
+    torch.testing.assert_close(hg, ref_hg, **BF16_TOL)
+    torch.testing.assert_close(sumsq.sum(0), ref_sumsq.sum(0), rtol=1e-2, atol=1e-3)
+    # Against the kernel's own h: hg is h ⊙ g rounded once, and the sums are of the h written.
+    hf = h.float().reshape(rows, n)
+    torch.testing.assert_close(hg, (h.float() * g.float()).to(x.dtype), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(sumsq.sum(0), hf.pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+    # Each stripe's sum is of its own columns.
+    width = gemm_triton.plan(n, k)[0]
+    for p in range(stripes):
+        part = hf[:, p * width : (p + 1) * width].pow(2).sum(-1)
+        torch.testing.assert_close(sumsq[p], part, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize(("lead", "n", "k", "bias"), EPILOGUE_SHAPES)
+def test_swiglu_is_silu_gate_times_up(lead, n, k, bias, scaled):
+    gen, x, w, b = _draw(lead, n, k, bias, weight_rows=2 * n)
+    rows = x.numel() // k
+    # Three partial sums per row (a block of 4 in the kernel, one masked), of a row's scale.
+    sumsq = k * torch.rand(3, rows, generator=gen) + 1.0 if scaled else None
+    got = decode_linear_swiglu(x, w, b, sumsq=sumsq, eps=1e-5)
+    assert got.shape == (*lead, n) and got.dtype == x.dtype
+    ref = _swiglu_reference(x, w, b, sumsq, 1e-5)
+    torch.testing.assert_close(got, ref, **BF16_TOL)
+    # The reference is the definition: silu(s·x W_gᵀ + b_g) · (s·x W_uᵀ + b_u), in float32.
+    s = 1.0 if sumsq is None else torch.rsqrt(sumsq.sum(0) / k + 1e-5).reshape(*lead, 1)
+    y = torch.nn.functional.linear(x.float(), w.float()) * s
+    y = y + (0 if b is None else b.float())
+    gate, up = y[..., :n], y[..., n:]
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, **BF16_TOL)
+
+
+def test_strided_bias_and_partial_sums_are_read_as_their_values():
+    gen, x, w, _ = _draw((3,), 70, 200, False, weight_rows=140)
+    b = torch.randn(280, generator=gen).to(x.dtype)[::2]  # a bias of stride 2
+    sumsq = (200 * torch.rand(3, 5, generator=gen) + 1.0).t()  # [P, rows] = [5, 3], column-major
+    assert not b.is_contiguous() and not sumsq.is_contiguous()
+    got = decode_linear_swiglu(x, w, b, sumsq=sumsq)
+    ref = _swiglu_reference(x, w, b, sumsq, 1e-6)
+    torch.testing.assert_close(got, ref, **BF16_TOL)
+    torch.testing.assert_close(decode_linear(x, w, b), decode_linear_reference(x, w, b))
+
+
+@pytest.mark.parametrize(("lead", "n", "k"), [((3,), 200, 70), ((2, 1), 64, 128)])
+def test_residual_norm_then_swiglu_is_the_layers_rms_norm_and_mlp(lead, n, k):
+    """``h = o Wₒᵀ + residual``, ``rms_norm(h) · g``, then the MLP's gate/up, as two GEMMs."""
+    gen = torch.Generator().manual_seed(n + k)
+    f, eps = 96, 1e-5  # the MLP's width
+    o = torch.randn(*lead, k, generator=gen).to(torch.bfloat16)
+    w_o = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    res = (3 * torch.randn(*lead, n, generator=gen)).to(torch.bfloat16)
+    g = (1 + 0.3 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+    w_gu = (torch.randn(2 * f, n, generator=gen) / n**0.5).to(torch.bfloat16)
+    h, hg, sumsq = decode_linear_residual_norm(o, w_o, residual=res, norm_weight=g)
+    got = decode_linear_swiglu(hg, w_gu, sumsq=sumsq, eps=eps)
+    assert sumsq.shape[0] == -(-n // gemm_triton.plan(n, k)[0])
+    # The unfused layer in float32, from the same bf16 inputs.
+    hf = F.linear(o.float(), w_o.float()) + res.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+    want = F.silu(F.linear(normed, w_gu[:f].float())) * F.linear(normed, w_gu[f:].float())
+    torch.testing.assert_close(h.float(), hf, **BF16_TOL)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_the_epilogue_ops_compile_as_one_opaque_call_each():
+    """A decoder layer's tail: o-proj + residual + norm, gate|up + SwiGLU, down-proj +
+    residual: one call to each custom op in the traced graph, shapes from the fake kernels."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, f = 96, 64, 80
+    bf = torch.bfloat16
+    w_o = (torch.randn(n, k, generator=gen) / k**0.5).to(bf)
+    g = (1 + 0.3 * torch.randn(n, generator=gen)).to(bf)
+    w_gu = (torch.randn(2 * f, n, generator=gen) / n**0.5).to(bf)
+    w_d = (torch.randn(n, f, generator=gen) / f**0.5).to(bf)
+    b_d = torch.randn(n, generator=gen).to(bf)
+
+    def tail(o, res):
+        h, hg, sumsq = decode_linear_residual_norm(o, w_o, residual=res, norm_weight=g)
+        m = decode_linear_swiglu(hg, w_gu, sumsq=sumsq, eps=1e-5)
+        return decode_linear(m, w_d, b_d, residual=h), sumsq
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    o = torch.randn(4, 1, k, generator=gen).to(bf)
+    res = torch.randn(4, 1, n, generator=gen).to(bf)
+    torch._dynamo.reset()
+    got, sumsq = torch.compile(tail, backend=backend, fullgraph=True)(o, res)
+    (gm,) = graphs
+    called = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+    prhs = sorted(t for t in called if "prhs." in t)
+    assert prhs == [
+        "prhs.decode_linear.default",
+        "prhs.decode_linear_residual_norm.default",
+        "prhs.decode_linear_swiglu.default",
+    ], called
+    want, want_sumsq = tail(o, res)
+    assert sumsq.shape == want_sumsq.shape == (2, 4)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(sumsq, want_sumsq)
+
+
+def test_the_swiglu_plan_is_static():
+    """64 gate rows and their 64 up rows a program, 128-column tiles, 3 stages, at any shape
+    (the H200 sweep's best at both Llama shapes' gate|up)."""
+    for n, k in [(11008, 4096), (14336, 4096), (70, 200), (1, 1)]:
+        assert gemm_triton.plan_swiglu(n, k) == (64, 128, 4, 3)

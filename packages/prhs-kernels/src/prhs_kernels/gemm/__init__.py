@@ -25,6 +25,7 @@ launch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -206,6 +207,12 @@ def _check_like(name: str, t: torch.Tensor, x: torch.Tensor, shape: Sequence[int
         )
 
 
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` contiguous (itself where it already is): the kernel reads a bias, a norm weight
+    and the partial sums at unit strides."""
+    return None if t is None else t.contiguous()
+
+
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` as ``[rows, last]`` with a contiguous last dim (a view where it already is)."""
     t2 = t.reshape(rows, t.shape[-1])
@@ -236,7 +243,7 @@ def decode_linear(
         return y if residual is None else residual + y
     announce("decode_linear", path, x.device)
     res = None if residual is None else _rows(residual, rows)
-    return _decode_linear_op(_rows(x, rows), weight, bias, res).view(*x.shape[:-1], n)
+    return _decode_linear_op(_rows(x, rows), weight, _dense(bias), res).view(*x.shape[:-1], n)
 
 
 def decode_linear_residual_norm(
@@ -270,7 +277,7 @@ def decode_linear_residual_norm(
         return h, hg, sumsq
     announce("decode_linear", path, x.device)
     h, hg, sumsq = _residual_norm_op(
-        _rows(x, rows), weight, bias, _rows(residual, rows), norm_weight.contiguous()
+        _rows(x, rows), weight, _dense(bias), _rows(residual, rows), _dense(norm_weight)
     )
     shape = (*x.shape[:-1], n)
     return h.view(shape), hg.view(shape), sumsq
@@ -299,17 +306,27 @@ def decode_linear_swiglu(
     rows = x.numel() // k if k else 0
     if sumsq is not None:
         check_float_tensor("sumsq", sumsq, ndim=2)
-        if sumsq.dtype != torch.float32 or sumsq.shape[1] != rows or sumsq.device != x.device:
+        if (
+            sumsq.dtype != torch.float32
+            or sumsq.shape[0] < 1
+            or sumsq.shape[1] != rows
+            or sumsq.device != x.device
+        ):
             raise ValueError(
-                f"sumsq must be float32 [P, rows] = [P, {rows}] on {x.device} (the partial "
-                f"sums decode_linear_residual_norm returns), got {sumsq.dtype} "
+                f"sumsq must be float32 [P, rows] = [P, {rows}] (P >= 1) on {x.device} (the "
+                f"partial sums decode_linear_residual_norm returns), got {sumsq.dtype} "
                 f"{list(sumsq.shape)} on {sumsq.device}"
             )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     path = decode_linear_path(rows, weight)
     if path == "torch" or rows == 0:
         return _swiglu_reference(x, weight, bias, sumsq, float(eps))
     announce("decode_linear", path, x.device)
-    y = _swiglu_op(_rows(x, rows), weight, bias, sumsq, float(eps))
+    y = _swiglu_op(_rows(x, rows), weight, _dense(bias), _dense(sumsq), float(eps))
     return y.view(*x.shape[:-1], two_n // 2)
