@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--sequence", type=int, default=0, help="print the first N kernels in order")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    if a.fuse_layers and a.gemm != "triton":
+        ap.error("--fuse-layers needs --gemm triton (the norm and adds run inside prhs's GEMMs)")
     dev = torch.device("cuda")
     methods = parse_methods(a.methods, {"budget": a.budget})
     headroom = 8 + a.replays + 8

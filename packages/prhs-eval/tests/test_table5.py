@@ -304,6 +304,50 @@ def test_table5_fuse_marks_its_rows(tmp_path):
     assert "| sdpa · fused |" in readme and "`· fused`" in readme
 
 
+def test_table5_fuse_layers_marks_and_keeps_its_rows(tmp_path, monkeypatch):
+    import prhs_kernels.gemm
+
+    ran = []
+    real = prhs_kernels.gemm.decode_linear_swiglu
+    monkeypatch.setattr(prhs_kernels.gemm, "decode_linear_swiglu",
+                        lambda *a, **kw: ran.append(1) or real(*a, **kw))  # fmt: skip
+    out = tmp_path / "layers"
+    argv = ["table5", *TINY, "--methods", "sdpa", "--gemm", "triton", "--fuse-layers",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert ran  # the timed steps ran the layers' epilogue GEMMs
+    layers = out / "table5"
+    rows = [json.loads(x) for x in (layers / "rows.jsonl").read_text().splitlines()]
+    assert [(r["fused"], r["fused_layers"], r["gemm"]) for r in rows] == [(True, True, "triton")]
+    readme = (layers / "README.md").read_text()
+    assert "| tiny | 2 | 256 | sdpa · fused layers · triton GEMMs |" in readme
+    assert "`· fused layers`" in readme
+    run = json.loads((layers / "config.json").read_text())["runs"][0]
+    assert (run["fuse"], run["fuse_layers"], run["gemm"]) == (True, True, "triton")
+
+    # The same point run with --fuse alone is another row; one written before fused_layers
+    # existed reads as that (and, later, replaces it).
+    def folder(name: str, row: dict) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+        for f in ("config.json", "machine.json"):
+            (path / f).write_text((layers / f).read_text())
+        return str(path)
+
+    fused = folder("fused", dict(rows[0], fused_layers=False, ms_per_step=1.0))
+    older = {k: v for k, v in rows[0].items() if k != "fused_layers"} | {"ms_per_step": 2.0}
+    old = folder("old", older)
+    points, _, _ = load_points([layers, fused, old])
+    got = sorted((p.fused_layers, p.ms_per_step) for p in points)
+    assert got == [(False, 2.0), (True, rows[0]["ms_per_step"])]
+    joined = tmp_path / "joined"
+    assert main(["table5", "--from-rows", f"{layers},{fused}", "--out", str(joined)]) == 0
+    readme = (joined / "table5" / "README.md").read_text()
+    assert "| sdpa · fused · triton GEMMs | 1.000 |" in readme
+    assert "| sdpa · fused layers · triton GEMMs |" in readme
+
+
 def test_a_selector_is_timed_without_statistics_and_counted_in_a_second_run(monkeypatch):
     import prhs_eval.integration as integration
     from prhs_eval.throughput import decode_throughput
@@ -355,6 +399,8 @@ def test_table5_compile_runs_every_method_compiled(tmp_path):
         (["--headroom", "8"], "at least 16"),
         (["--compile-scope", "model"], "invalid choice: 'model'"),
         (["--gemm", "cutlass"], "invalid choice: 'cutlass'"),
+        (["--fuse-layers"], "--fuse-layers needs --gemm triton"),
+        (["--fuse-layers", "--fuse", "--gemm", "cublas"], "--fuse-layers needs --gemm triton"),
         (["--device", "cuda:7"], "cuda"),
         (["--from-rows", "/nonexistent"], "no rows.jsonl"),
     ],
@@ -397,10 +443,19 @@ def test_the_figure_keeps_one_bar_per_method_and_configuration(tmp_path, monkeyp
         ThroughputPoint(
             **base, compiled="inductor", compile_scope="layers", fused=True, gemm="triton"
         ),
+        ThroughputPoint(
+            **base,
+            compiled="inductor",
+            compile_scope="layers",
+            fused=True,
+            fused_layers=True,
+            gemm="triton",
+        ),
     ]
     labels = [point_label(p) for p in points]
     assert labels == ["prhs", "prhs · compiled · fused",
-                      "prhs · compiled layers · fused · triton GEMMs"]  # fmt: skip
+                      "prhs · compiled layers · fused · triton GEMMs",
+                      "prhs · compiled layers · fused layers · triton GEMMs"]  # fmt: skip
     seen: list[str] = []
     real = matplotlib.axes.Axes.bar
 

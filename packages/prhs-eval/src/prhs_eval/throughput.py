@@ -56,6 +56,7 @@ __all__ = [
     "copy_bandwidth",
     "decode_gemms",
     "decode_throughput",
+    "fused_layers",
     "fused_projections",
     "kv_bytes_per_token",
     "model_config",
