@@ -61,7 +61,21 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=16384)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--max-s", type=float, default=420.0, help="stop timing after this long")
+    ap.add_argument(
+        "--shapes", default=None, metavar="B:HKV:S:LAYOUT[,...]",
+        help="only these shapes (layout contig or paged1), e.g. 8:32:8:contig",
+    )  # fmt: skip
+    ap.add_argument("--shipped-only", action="store_true", help="time the shipped plan only")
     a = ap.parse_args()
+    plans = PLANS[:1] if a.shipped_only else PLANS
+    chosen = shapes()
+    if a.shapes:
+        chosen = []
+        for item in a.shapes.split(","):
+            b_, hkv_, s_, layout_ = item.split(":")
+            if layout_ not in ("contig", "paged1"):
+                ap.error(f"--shapes {item!r}: layout must be contig or paged1")
+            chosen.append((int(b_), int(hkv_), int(s_), layout_))
     out = open(a.out, "a") if a.out else None
     K.emit(out, {"part": "machine", **K.machine(), "probe": "sparse"})
     t0 = time.time()
@@ -70,7 +84,7 @@ def main() -> None:
     hq, t = 32, a.t
     table: dict[tuple, dict[tuple, float]] = {}
     b2b_table: dict[tuple, float] = {}
-    for b, hkv, s, layout in shapes():
+    for b, hkv, s, layout in chosen:
         if time.time() - t0 > a.max_s:
             K.emit(out, {"part": "probe", "stopped": "time", "at": [b, hkv, s, layout]})
             break
@@ -86,7 +100,7 @@ def main() -> None:
         nbytes = b * hkv * a.budget * K.D * 2 * 2
         key = (b, hkv, s, layout)
         table[key] = {}
-        for plan in PLANS:
+        for plan in plans:
             block_n, warps, stages, waves = plan
             sd.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
             row: dict[str, Any] = {"part": "probe", "B": b, "Hkv": hkv, "s": s, "layout": layout,
@@ -142,7 +156,7 @@ def main() -> None:
             else f"{key}: {cells}"
         )
     agg = {p: sum(c.get(p, float("nan")) / min(c.values()) for c in table.values() if c)
-           for p in PLANS}  # fmt: skip
+           for p in plans}  # fmt: skip
     print("mean time over the best, per plan:")
     for p, v in sorted(agg.items(), key=lambda x: x[1]):
         print(f"  {p}: {v / max(1, len(table)):.3f}")

@@ -168,6 +168,7 @@ def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, wa
     from prhs_kernels.sparse_decode import triton as sd
 
     monkeypatch.setitem(sd.TUNING, "waves", waves)
+    monkeypatch.setitem(sd.TUNING, "merge_last", 0)  # the merge launch (its own test below)
     launches = []
     split_kernel, merge_kernel = sd._kernels(True)
 
@@ -190,6 +191,42 @@ def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, wa
         want = _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25)
         _close_attention((out, lse), want, torch.bfloat16)
     assert len(launches) == (0 if waves == 0 else len(data.layouts))
+
+
+def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_kv):
+    # ``merge_last``: a row's last slice to finish merges its partials; no merge launch, the
+    # reference's numbers (rows with nothing to read included), and every counter back at 0.
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setitem(sd.TUNING, "waves", 64)
+    monkeypatch.setitem(sd.TUNING, "merge_last", 1 << 20)
+    monkeypatch.setattr(sd, "_ARRIVALS", {})
+    launches = []
+    split_kernel, merge_kernel = sd._kernels(True)
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return merge_kernel[grid]
+
+    monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Counted()))
+    data = make_kv([300, 77], 2, 16, dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 16, generator=gen).bfloat16()
+    sel = _selection(2, 2, 300, 1, 260, gen)
+    sel.counts[1, 0] = 0  # a row with nothing to read: out 0, lse -inf
+    assert sd.num_splits(4, 260, torch.device("cpu")) > 1
+    for _ in range(2):  # a second launch starts from the counters the first left
+        for kv in data.layouts.values():
+            out = torch.full((2, 8, 16), float("nan"), dtype=torch.bfloat16)
+            lse = torch.full((2, 8), float("nan"))
+            sparse_decode_attention(q, kv, sel, 0.25, out=out, lse=lse)
+            want = _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25)
+            _close_attention((out, lse), want, torch.bfloat16)
+            assert torch.isneginf(lse[1, :4]).all() and not out[1, :4].any()
+    assert launches == []
+    (counters,) = sd._ARRIVALS.values()
+    assert counters.dtype == torch.int32 and not counters.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))

@@ -1,19 +1,22 @@
 """Triton kernel of sparse decode attention: each selected K/V row is read once, in place.
 
-Two launches (one when a row's list takes a single slice):
+One launch, or two when a row's list takes more than ``TUNING["merge_last"]`` slices:
 
 1. ``_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, j)`` takes the ``j``-th slice of
    row ``(b, h)``'s list (positions, or ``s``-block entries expanded to positions, or every
    position when dense), loads each listed K and V row straight from the cache (contiguous or
-   through the request-to-token table, no gathered copy) and runs an online softmax for *all*
+   through the request-to-token table, no gathered copy; a tile's V rows with its K rows, and
+   the next tile's list entries a tile ahead) and runs an online softmax for *all*
    ``g = Hq / Hkv`` query heads of the group at once (one ``tl.dot`` of the ``[g, D]`` queries
-   against ``[N, D]`` keys), so a row is read once per group, not once per query head. It writes
-   its unnormalised partial output, running max and sum in float32 or, when the split count is
-   1 (enough (sequence, KV head) rows to fill the GPU, or lists of one tile), the normalised
-   output and ``lse`` themselves, and the merge is not launched.
-2. ``_merge_kernel``, grid ``(B * Hq,)``, for two slices or more: merges the ``S`` partials by
-   their log-sum-exp into the output (query dtype) and ``lse`` (float32), written in place into
-   ``out=`` / ``lse=``.
+   against ``[N, D]`` keys), so a row is read once per group, not once per query head. When the
+   split count is 1 (enough (sequence, KV head) rows to fill the GPU, or lists of one tile) it
+   writes the normalised output and ``lse`` itself. Otherwise it writes its unnormalised
+   partial output, running max and sum in float32; up to ``merge_last`` slices, it then raises
+   the row's arrival count (an int32 counter per row, released after the partials are stored)
+   and the slice that arrives last merges the row (and sets the count back to 0).
+2. ``_merge_kernel``, grid ``(B * Hq,)``, for more slices than that: merges the ``S`` partials
+   by their log-sum-exp into the output (query dtype) and ``lse`` (float32), written in place
+   into ``out=`` / ``lse=``.
 
 ``S`` (the split count) is a static function of the shapes and the GPU's multiprocessor count,
 so a step keeps its launch shapes from one decode step to the next (CUDA-graph safe); slices past
@@ -38,9 +41,14 @@ from prhs_kernels.paths import interpreting
 
 __all__ = ["num_splits", "sparse_decode_attention_triton"]
 
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4}
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "merge_last": 4}
 """Launch parameters: positions per tile of the inner loop, warps per program, software
-pipelining depth, and programs per multiprocessor the split count aims at. Module-level so that
+pipelining depth, and programs per multiprocessor the split count aims at; ``merge_last``: up
+to this many slices a row, the row's last slice to finish merges the row's partials itself
+(counted in an int32 counter per row) instead of a second launch (0: always launch the merge).
+On an H200, back to back, 128 blocks of 8 a row: B16·Hkv8 (4 slices) 26.6 → 25.5 µs, B8·Hkv32
+(2 slices) 41.1 → 40.0; but B1·Hkv32 (16 slices) 12.8 → 15.4, one program's merge of 16 slices
+in a row costing more than the launch it saves. Module-level so that
 ``benchmarks/scripts/kernels.py`` can sweep them; chosen there, on an H200."""
 
 
@@ -59,6 +67,7 @@ def _split_kernel(
     PL,
     OUT,
     LSE,
+    ARRIVE,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -92,6 +101,7 @@ def _split_kernel(
     HAS_START: tl.constexpr,
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
+    MERGE_LAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,15 +130,27 @@ def _split_kernel(
         req = tl.load(REQIDX + b).to(tl.int64)
     if HAS_START:
         start = tl.load(START + b).to(tl.int64)
+    # The next tile's list entries are loaded a tile ahead, and each tile's V rows with its K
+    # rows, so a tile waits on one round trip to memory rather than three in a row.
+    if not DENSE:
+        nxt = lo + tl.arange(0, BLOCK_N)
+        ids_next = tl.load(
+            IDX + b.to(tl.int64) * stride_ib + h * stride_ih + nxt // BS,
+            mask=nxt < hi,
+            other=-1,
+        )
     for t0 in range(lo, hi, BLOCK_N):
         v_off = t0 + tl.arange(0, BLOCK_N)
         ok = v_off < hi
         if DENSE:
             pos = v_off.to(tl.int64)
         else:
-            entry = v_off // BS
-            ids = tl.load(
-                IDX + b.to(tl.int64) * stride_ib + h * stride_ih + entry, mask=ok, other=-1
+            ids = ids_next
+            nxt = v_off + BLOCK_N
+            ids_next = tl.load(
+                IDX + b.to(tl.int64) * stride_ib + h * stride_ih + nxt // BS,
+                mask=nxt < hi,
+                other=-1,
             )
             pos = ids.to(tl.int64) * BS + (v_off % BS)
             ok = ok & (ids >= 0)
@@ -148,6 +170,11 @@ def _split_kernel(
             mask=ok[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
+        v = tl.load(
+            V + v_row[:, None] + offs_dv[None, :],
+            mask=ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
         if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -159,11 +186,6 @@ def _split_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + v_row[:, None] + offs_dv[None, :],
-            mask=ok[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
         if UPCAST:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -190,6 +212,46 @@ def _split_kernel(
             acc,
             mask=g_ok[:, None] & (offs_dv[None, :] < DV),
         )
+        if MERGE_LAST:
+            # The row's last slice to finish merges all of them (no merge launch): every
+            # thread's partials are stored before the count is raised (release), and read
+            # back past L1 after it (acquire). The merger sets the count back to 0, so the
+            # counters are zero between launches (and between CUDA-graph replays).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(ARRIVE + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tl.atomic_xchg(ARRIVE + pid, 0, sem="relaxed", scope="gpu")
+                row0 = (b.to(tl.int64) * (HKV * G) + qh) * n_splits  # [BLOCK_G]
+                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l_all = tl.zeros([BLOCK_G], tl.float32)
+                o_all = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+                for j in range(0, n_splits):
+                    m_j = tl.load(PM + row0 + j, mask=g_ok, other=float("-inf"),
+                                  cache_modifier=".cg")  # fmt: skip
+                    l_j = tl.load(PL + row0 + j, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    o_j = tl.load(
+                        PO + (row0 + j)[:, None] * DV + offs_dv[None, :],
+                        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_all, m_j)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    a_old = tl.exp(m_all - m_safe)
+                    a_j = tl.exp(m_j - m_safe)
+                    l_all = l_all * a_old + l_j * a_j
+                    o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
+                    m_all = m_new
+                empty = l_all == 0.0
+                o = tl.where(empty[:, None], 0.0, o_all / tl.where(empty, 1.0, l_all)[:, None])
+                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+                lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_all)))
+                out_ptr = (
+                    OUT + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + offs_dv[None, :]
+                )
+                o_ok = g_ok[:, None] & (offs_dv[None, :] < DV)
+                tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
+                tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
 
 
 def _merge_kernel(
@@ -240,6 +302,23 @@ def _kernels(interpret: bool) -> tuple[object, object]:
     """The two kernels, jitted for the mode asked (the interpreter or the compiler)."""
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
     return triton.jit(_split_kernel), triton.jit(_merge_kernel)
+
+
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least ``n``, that the split kernel's ``merge_last`` mode counts
+    each row's finished slices in (and sets back to 0): one set per device and CUDA stream, so
+    kernels that may run at once never share them. Grown (a fresh zeroed tensor) when a launch
+    has more rows than any before; a function of shapes, so nothing is read on the host."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _ARRIVALS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = buf
+    return buf
 
 
 @functools.cache
@@ -333,9 +412,11 @@ def sparse_decode_attention_triton(
 
     split_kernel, merge_kernel = _kernels(interpreting())
     block_d, block_dv = _pow2(d, 16), _pow2(dv, 16)
+    merge_last = not direct and n_split <= TUNING["merge_last"]
+    arrive = _arrivals(dev, b * hkv) if merge_last else cnt
     split_kernel[(b * hkv, n_split)](
         query, k, v, idx, cnt, kv.seq_lens, start, req2tok, reqidx,
-        part_o, part_m, part_l, out, lse,
+        part_o, part_m, part_l, out, lse, arrive,
         query.stride(0), query.stride(1),
         skb, skh, skt, svb, svh, svt,
         stride_ib, stride_ih, stride_rt,
@@ -343,10 +424,10 @@ def sparse_decode_attention_triton(
         float(scaling), k_max, per_split, n_split,
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
-        UPCAST=interpreting(), DIRECT=direct,
+        UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
-    if not direct:
+    if not direct and not merge_last:
         merge_kernel[(b * hq,)](
             part_o, part_m, part_l, out, lse,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
