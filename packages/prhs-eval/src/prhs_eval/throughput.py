@@ -1092,6 +1092,8 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
         cells = list(dict.fromkeys((p.batch, p.context) for p in pts))
         methods = list(dict.fromkeys(point_label(p) for p in pts))
         width = 0.8 / max(len(methods), 1)
+        # Distinct colours for up to 20 bars of a cell (tab10 repeats after 10).
+        cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
         for j, m in enumerate(methods):
             xs, ys, floors = [], [], []
             for i, c in enumerate(cells):
@@ -1100,7 +1102,7 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
                     xs.append(i + (j - (len(methods) - 1) / 2) * width)
                     ys.append(hit[0].tokens_per_s)
                     floors.append(hit[0].batch / (hit[0].floor_ms / 1e3))
-            ax.bar(xs, ys, width=width * 0.95, label=m)
+            ax.bar(xs, ys, width=width * 0.95, label=m, color=cmap(j % cmap.N))
             ax.scatter(xs, floors, marker="_", s=120, color="black", zorder=3)
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels([f"B{b}·T{t // 1024}k" for b, t in cells])
@@ -1110,5 +1112,5 @@ def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:
         ax.legend(fontsize=7, ncol=min(len(methods), 3), loc="upper center",
                   bbox_to_anchor=(0.5, -0.12), frameon=False)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # legends below the axes included
     plt.close(fig)
