@@ -229,6 +229,19 @@ def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_k
     assert counters.dtype == torch.int32 and not counters.any()
 
 
+def test_merge_last_counters_grow_without_freeing_what_a_graph_may_hold(monkeypatch):
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setattr(sd, "_ARRIVALS", {})
+    monkeypatch.setattr(sd, "_RETIRED", [])
+    cpu = torch.device("cpu")
+    first = sd._arrivals(cpu, 10)
+    assert first.numel() == 1024 and sd._arrivals(cpu, 1024) is first  # no growth: the same
+    grown = sd._arrivals(cpu, 1500)
+    assert grown.numel() == 2048 and not grown.any()
+    assert len(sd._RETIRED) == 1 and sd._RETIRED[0] is first  # a captured graph may use it
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d", "dv", "s"), CASES, ids=IDS)
 def test_retrieval_probs_match_the_reference(monkeypatch, make_kv, lens, hq, hkv, d, dv, s, dtype):

@@ -305,18 +305,23 @@ def _kernels(interpret: bool) -> tuple[object, object]:
 
 
 _ARRIVALS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
 
 
 def _arrivals(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, at least ``n``, that the split kernel's ``merge_last`` mode counts
     each row's finished slices in (and sets back to 0): one set per device and CUDA stream, so
-    kernels that may run at once never share them. Grown (a fresh zeroed tensor) when a launch
-    has more rows than any before; a function of shapes, so nothing is read on the host."""
+    kernels that may run at once never share them. Grown (a fresh zeroed tensor, a power of two)
+    when a launch has more rows than any before; the smaller one is kept alive, never freed, as
+    a CUDA graph captured over it still uses it (freed, its memory could be handed to another
+    tensor under the graph's feet). A function of shapes: nothing is read on the host."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _ARRIVALS.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(triton.next_power_of_2(n), 1024), dtype=torch.int32, device=device)
         _ARRIVALS[key] = buf
     return buf
 
