@@ -161,14 +161,8 @@ def test_sparse_decode_writes_strided_out_buffers(monkeypatch, make_kv):
     assert torch.isnan(lse_store[..., 0]).all() and torch.isnan(lse_store[..., 2]).all()
 
 
-@pytest.mark.parametrize("waves", [0, 64], ids=["one-slice", "many-slices"])
-def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, waves):
-    # ``waves`` 0 makes every list one slice: the split kernel writes the output and lse itself
-    # and the merge is not launched; 64 spreads each list over several slices and merges them.
-    from prhs_kernels.sparse_decode import triton as sd
-
-    monkeypatch.setitem(sd.TUNING, "waves", waves)
-    monkeypatch.setitem(sd.TUNING, "merge_last", 0)  # the merge launch (its own test below)
+def _count_merge_launches(monkeypatch, sd) -> list:
+    """The grids the sparse kernel's merge is launched on, from now on (the launches go ahead)."""
     launches = []
     split_kernel, merge_kernel = sd._kernels(True)
 
@@ -178,6 +172,18 @@ def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, wa
             return merge_kernel[grid]
 
     monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Counted()))
+    return launches
+
+
+@pytest.mark.parametrize("waves", [0, 64], ids=["one-slice", "many-slices"])
+def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, waves):
+    # ``waves`` 0 makes every list one slice: the split kernel writes the output and lse itself
+    # and the merge is not launched; 64 spreads each list over several slices and merges them.
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setitem(sd.TUNING, "waves", waves)
+    monkeypatch.setitem(sd.TUNING, "merge_last", 0)  # the merge launch (its own test below)
+    launches = _count_merge_launches(monkeypatch, sd)
     data = make_kv([300, 77], 2, 16, dtype=torch.bfloat16, seed=3)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 8, 16, generator=gen).bfloat16()
@@ -201,15 +207,7 @@ def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_k
     monkeypatch.setitem(sd.TUNING, "waves", 64)
     monkeypatch.setitem(sd.TUNING, "merge_last", 1 << 20)
     monkeypatch.setattr(sd, "_ARRIVALS", {})
-    launches = []
-    split_kernel, merge_kernel = sd._kernels(True)
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return merge_kernel[grid]
-
-    monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Counted()))
+    launches = _count_merge_launches(monkeypatch, sd)
     data = make_kv([300, 77], 2, 16, dtype=torch.bfloat16, seed=3)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 8, 16, generator=gen).bfloat16()
