@@ -214,11 +214,15 @@ def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_k
     sel = _selection(2, 2, 300, 1, 260, gen)
     sel.counts[1, 0] = 0  # a row with nothing to read: out 0, lse -inf
     assert sd.num_splits(4, 260, torch.device("cpu")) > 1
-    for _ in range(2):  # a second launch starts from the counters the first left
+    for strided in (False, True):  # the second round starts from the counters the first left
         for kv in data.layouts.values():
             out = torch.full((2, 8, 16), float("nan"), dtype=torch.bfloat16)
             lse = torch.full((2, 8), float("nan"))
-            sparse_decode_attention(q, kv, sel, 0.25, out=out, lse=lse)
+            if strided:  # written in place through their strides, as a host's buffers
+                out = torch.full((8, 2, 16), float("nan"), dtype=torch.bfloat16).transpose(0, 1)
+                lse = torch.full((2, 8, 3), float("nan"))[..., 1]
+            o, s = sparse_decode_attention(q, kv, sel, 0.25, out=out, lse=lse)
+            assert o is out and s is lse
             want = _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25)
             _close_attention((out, lse), want, torch.bfloat16)
             assert torch.isneginf(lse[1, :4]).all() and not out[1, :4].any()
