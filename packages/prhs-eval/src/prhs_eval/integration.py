@@ -190,7 +190,8 @@ def _row_bounds(
     valid = mask.to(torch.bool)
     lens = valid.sum(-1)
     # The first valid column (argmax of a bool row finds its first True); an empty row: 0.
-    start = valid.to(torch.uint8).argmax(-1)
+    # Read as uint8 in place (argmax has no bool kernel): no copy of the [B, T] mask a step.
+    start = valid.view(torch.uint8).argmax(-1)
     if check:
         pos = torch.arange(length, device=valid.device).view(1, -1)
         expected = (pos >= start.view(-1, 1)) & (pos < (start + lens).view(-1, 1))
