@@ -52,6 +52,23 @@ in a row costing more than the launch it saves. Module-level so that
 ``benchmarks/scripts/kernels.py`` can sweep them; chosen there, on an H200."""
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _write_normalised(
+    OUT, LSE, b, qh, g_ok, offs_dv, acc, l_i, m_i,
+    stride_ob, stride_oh, stride_lb, stride_lh, DV: tl.constexpr,
+):  # fmt: skip
+    """A group's normalised output and ``lse`` from its running sum, max and accumulator
+    (a row with nothing read: ``out = 0``, ``lse = -inf``), written into ``OUT`` / ``LSE``."""
+    empty = l_i == 0.0
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_i)))
+    out_ptr = OUT + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + offs_dv[None, :]
+    o_ok = g_ok[:, None] & (offs_dv[None, :] < DV)
+    tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
+
+
 def _split_kernel(
     Q,
     K,
@@ -195,14 +212,8 @@ def _split_kernel(
 
     qh = h * G + offs_g
     if DIRECT:  # one slice per row: normalise and write the output here, as the merge would
-        empty = l_i == 0.0
-        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_i)))
-        out_ptr = OUT + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + offs_dv[None, :]
-        o_ok = g_ok[:, None] & (offs_dv[None, :] < DV)
-        tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
-        tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
+        _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, acc, l_i, m_i,
+                          stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
     else:
         base = (b.to(tl.int64) * (HKV * G) + qh) * n_splits + split  # [BLOCK_G]
         tl.store(PM + base, m_i, mask=g_ok)
@@ -242,16 +253,8 @@ def _split_kernel(
                     l_all = l_all * a_old + l_j * a_j
                     o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
                     m_all = m_new
-                empty = l_all == 0.0
-                o = tl.where(empty[:, None], 0.0, o_all / tl.where(empty, 1.0, l_all)[:, None])
-                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-                lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_all)))
-                out_ptr = (
-                    OUT + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + offs_dv[None, :]
-                )
-                o_ok = g_ok[:, None] & (offs_dv[None, :] < DV)
-                tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
-                tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
+                _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, o_all, l_all, m_all,
+                                  stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
 
 
 def _merge_kernel(
