@@ -13,6 +13,13 @@ K and V rows.
 Usage, from the repository root with every package's ``src`` on ``PYTHONPATH``::
 
     python benchmarks/scripts/sparse_probe.py --out sparse-probe.jsonl
+
+The merge by a launch against the last slice merging, at CIS-8's shapes (two runs)::
+
+    python benchmarks/scripts/sparse_probe.py --shipped-only --merge-last 0 \
+        --shapes 1:32:8:contig,1:8:8:contig,8:32:8:contig,16:8:8:contig --out launch.jsonl
+    python benchmarks/scripts/sparse_probe.py --shipped-only --merge-last 1024 \
+        --shapes 1:32:8:contig,1:8:8:contig,8:32:8:contig,16:8:8:contig --out last.jsonl
 """
 
 from __future__ import annotations
@@ -66,6 +73,11 @@ def main() -> None:
         help="only these shapes (layout contig or paged1), e.g. 8:32:8:contig",
     )  # fmt: skip
     ap.add_argument("--shipped-only", action="store_true", help="time the shipped plan only")
+    ap.add_argument(
+        "--merge-last", type=int, default=None, metavar="N",
+        help="TUNING['merge_last'] for the run: up to N slices a row the last slice merges "
+        "(0: always the merge launch); default the shipped value",
+    )  # fmt: skip
     a = ap.parse_args()
     plans = PLANS[:1] if a.shipped_only else PLANS
     chosen = shapes()
@@ -81,6 +93,8 @@ def main() -> None:
     t0 = time.time()
     gen = torch.Generator(device=K.DEV).manual_seed(0)
     saved = dict(sd.TUNING)
+    if a.merge_last is not None:
+        sd.TUNING["merge_last"] = a.merge_last
     hq, t = 32, a.t
     table: dict[tuple, dict[tuple, float]] = {}
     b2b_table: dict[tuple, float] = {}
@@ -105,7 +119,8 @@ def main() -> None:
             sd.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
             row: dict[str, Any] = {"part": "probe", "B": b, "Hkv": hkv, "s": s, "layout": layout,
                                    "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                                   "waves": waves}  # fmt: skip
+                                   "waves": waves,
+                                   "merge_last": sd.TUNING["merge_last"]}  # fmt: skip
             try:
                 o.fill_(float("nan"))
                 lse.fill_(float("nan"))
