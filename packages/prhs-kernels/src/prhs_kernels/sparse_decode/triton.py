@@ -41,7 +41,10 @@ from prhs_kernels.paths import interpreting
 
 __all__ = ["num_splits", "sparse_decode_attention_triton"]
 
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "merge_last": 4}
+TUNING = {
+    "block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "merge_last": 4,
+    "kv_evict_first": False,
+}  # fmt: skip
 """Launch parameters: positions per tile of the inner loop, warps per program, software
 pipelining depth, and programs per multiprocessor the split count aims at; ``merge_last``: up
 to this many slices a row, the row's last slice to finish merges the row's partials itself
@@ -119,6 +122,7 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
+    KV_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -186,11 +190,13 @@ def _split_kernel(
             K + k_row[:, None] + offs_d[None, :],
             mask=ok[:, None] & (offs_d[None, :] < D),
             other=0.0,
+            eviction_policy=KV_EVICT,
         )
         v = tl.load(
             V + v_row[:, None] + offs_dv[None, :],
             mask=ok[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
+            eviction_policy=KV_EVICT,
         )
         if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -433,6 +439,7 @@ def sparse_decode_attention_triton(
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
+        KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     if not direct and not merge_last:
