@@ -577,12 +577,6 @@ def _add_table5(sub: Any) -> None:
         "method alike)",
     )  # fmt: skip
     t5.add_argument(
-        "--prefetch-weights", action="store_true",
-        help="with --gemm triton: each layer's q/k/v GEMM also prefetches its o projection's "
-        "weight into L2, fetched while the rotary embedding, cache write and attention's "
-        "selection run (implies --fuse; every method alike)",
-    )  # fmt: skip
-    t5.add_argument(
         "--gemm", choices=("cublas", "triton"), default="cublas",
         help="the linear layers' GEMMs: cublas (F.linear) or triton (prhs_kernels.gemm's "
         "weight stream at decode sizes; every method alike) (default cublas)",
@@ -643,8 +637,6 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise UsageError(
                 "--fuse-layers needs --gemm triton (the norm and adds run inside prhs's GEMMs)"
             )
-        if args.prefetch_weights and args.gemm != "triton":
-            raise UsageError("--prefetch-weights needs --gemm triton (prhs's GEMM prefetches)")
         device = check_device(args.device)
         if args.out.exists() and not args.out.is_dir():
             raise UsageError(f"--out {str(args.out)!r} exists and is not a directory")
@@ -664,7 +656,7 @@ def _table5(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             shape, args.batches, args.contexts, methods, device=device, dtype=dtype,
             layers=args.layers, headroom=args.headroom, seed=args.seed, compile=args.compile,
             fuse=args.fuse, compile_scope=args.compile_scope, gemm=args.gemm, progress=say,
-            fuse_layers=args.fuse_layers, prefetch=args.prefetch_weights,
+            fuse_layers=args.fuse_layers,
         )  # fmt: skip
         points += pts
         contexts.append(ctx)

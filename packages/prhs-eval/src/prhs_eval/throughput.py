@@ -38,7 +38,6 @@ wide matrix faster than three narrow ones.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import re
 import sys
@@ -266,7 +265,6 @@ class ThroughputPoint:
     compile_scope: str | None = None  # what it compiled (COMPILE_SCOPES); None: "parts"
     fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
     fused_layers: bool = False  # post-attention work in GEMM epilogues (fused_layers)
-    prefetch: bool = False  # the o projection's weight prefetched into L2 (decode_gemms)
     gemm: str | None = None  # "triton": the linear layers through decode_gemms; None: cuBLAS
     skipped: str | None = None
 
@@ -285,10 +283,10 @@ class ThroughputPoint:
 
 def _join_key(p: ThroughputPoint) -> tuple:
     """What makes two rows the same point: (shape, B, T, method, compile backend and scope,
-    fused, fused layers, GEMM, prefetch); rows written before a field existed read as its default."""
+    fused, fused layers, GEMM); rows written before a field existed read as its default."""
     scope = (p.compile_scope or "parts") if p.compiled else None
     return (p.shape, p.batch, p.context, p.method, p.compiled, scope, p.fused, p.fused_layers,
-            p.gemm or "cublas", p.prefetch)  # fmt: skip
+            p.gemm or "cublas")  # fmt: skip
 
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
@@ -477,7 +475,6 @@ def fused_projections(
     model: Any,
     linear: Callable[..., torch.Tensor] | None = None,
     exclude: Sequence[Any] = (),
-    prefetch_output: bool = False,
 ) -> Iterator[tuple[int, int]]:
     """Within the block, every attention module with ``q_proj``/``k_proj``/``v_proj`` computes
     the three with one GEMM, and every MLP with ``gate_proj``/``up_proj``/``down_proj``/
@@ -489,10 +486,7 @@ def fused_projections(
     did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
     stay views: same values). A model whose modules have other names is left alone; one with
     neither is an error. Modules inside ``exclude`` (:func:`fused_layers`' MLPs) are left
-    alone. ``prefetch_output`` (``linear`` must take ``prefetch=``, as
-    :func:`prhs_kernels.gemm.decode_linear` does): the q/k/v GEMM of an attention module with an
-    ``o_proj`` Linear also asks the L2 for ``o_proj``'s weight, which the memory bus then fetches
-    while the rotary embedding, the cache write and the attention's selection run."""
+    alone."""
     import torch.nn.functional as F
 
     linear = linear or F.linear
@@ -508,15 +502,11 @@ def fused_projections(
                 weight, bias = _concat_into(lins)
                 holder = _SharedProjection()
                 splits = [x.out_features for x in lins]
-                qkv_linear = linear
-                o = getattr(m, "o_proj", None)
-                if prefetch_output and _is_linear(o) and o.weight.is_contiguous():
-                    qkv_linear = functools.partial(linear, prefetch=o.weight)
                 for name, lin in zip("qkv", lins, strict=True):
                     patched.append((lin, lin.__dict__.get("forward")))
                     own = lin.forward
                     lin.forward = _fused_qkv_forward(
-                        holder, name, weight, bias, splits, own, qkv_linear
+                        holder, name, weight, bias, splits, own, linear
                     )
                 attn += 1
                 continue
@@ -650,19 +640,14 @@ GEMMS = ("cublas", "triton")
 
 
 @contextlib.contextmanager
-def decode_gemms(
-    model: Any, fuse: bool = False, fuse_layers: bool = False, prefetch: bool = False
-) -> Iterator[int]:
+def decode_gemms(model: Any, fuse: bool = False, fuse_layers: bool = False) -> Iterator[int]:
     """Within the block, every ``nn.Linear`` of the model (the projections, the MLP, the LM
     head) runs :func:`prhs_kernels.gemm.decode_linear` -- a Triton weight stream at decode
     sizes (at most 16 rows on CUDA, fp16/bf16), ``F.linear`` otherwise -- and with ``fuse`` the
     fused q/k/v and gate/up GEMMs of :func:`fused_projections` too (entered here); with
     ``fuse_layers`` (which implies ``fuse``) the decoder layers :func:`fused_layers` takes run
     their post-attention norm, SiLU·mul and residual adds in GEMM epilogues, the rest as
-    ``fuse`` says; with ``prefetch`` (which implies ``fuse``) each layer's q/k/v GEMM also
-    prefetches its o projection's weight into L2 (:func:`fused_projections`'
-    ``prefetch_output``). Yields the linear layers rerouted; every forward is restored on
-    exit."""
+    ``fuse`` says. Yields the linear layers rerouted; every forward is restored on exit."""
     from prhs_kernels.gemm import decode_linear
 
     with contextlib.ExitStack() as stack:
@@ -672,10 +657,8 @@ def decode_gemms(
             whole = [
                 m.mlp for m in model.modules() if "forward" in m.__dict__ and _fusable_layer(m)
             ]
-        if fuse or fuse_layers or prefetch:
-            stack.enter_context(fused_projections(
-                model, linear=decode_linear, exclude=whole, prefetch_output=prefetch
-            ))  # fmt: skip
+        if fuse or fuse_layers:
+            stack.enter_context(fused_projections(model, linear=decode_linear, exclude=whole))
         patched = []  # the Linears whose forward this block set (fused ones keep theirs)
         try:
             for mod in model.modules():
@@ -822,7 +805,6 @@ def _measure(
     compile_scope: str | None = None,
     gemm: str = "cublas",
     fused_layers: bool = False,
-    prefetch: bool = False,
 ) -> ThroughputPoint:
     """One method's point on a filled cache (a method that runs out of memory is skipped).
 
@@ -840,7 +822,6 @@ def _measure(
         compiled=compiled,
         fused=fused,
         fused_layers=fused_layers,
-        prefetch=prefetch,
         compile_scope=compile_scope if compiled else None,
         gemm=None if gemm == "cublas" else gemm,
     )
@@ -906,7 +887,6 @@ def decode_throughput(
     gemm: str = "cublas",
     progress: Callable[[str], None] | None = None,
     fuse_layers: bool = False,
-    prefetch: bool = False,
 ) -> tuple[list[ThroughputPoint], dict[str, Any]]:
     """Measure every (B, T, method) point of one shape; returns the points and the run's
     context (bandwidth, weight bytes, config).
@@ -920,9 +900,7 @@ def decode_throughput(
     (:func:`fused_projections`), every method alike. ``gemm="triton"``: every linear layer
     through prhs's decode GEMM (:func:`decode_gemms`), every method alike; with it,
     ``fuse_layers`` runs each Llama-family decoder layer's post-attention norm, SiLU·mul and
-    residual adds in its GEMMs' epilogues (:func:`fused_layers`; implies ``fuse``), and
-    ``prefetch`` prefetches each layer's o projection weight into L2 from its q/k/v GEMM
-    (:func:`decode_gemms`; implies ``fuse``).
+    residual adds in its GEMMs' epilogues (:func:`fused_layers`; implies ``fuse``).
     """
     device = torch.device(device)
     if headroom < 16:
@@ -937,16 +915,14 @@ def decode_throughput(
         raise ValueError(
             "fuse_layers needs gemm='triton': the norms and adds run inside prhs's decode GEMMs"
         )
-    if prefetch and gemm != "triton":
-        raise ValueError("prefetch needs gemm='triton': prhs's q/k/v GEMM issues the prefetch")
-    fuse = fuse or fuse_layers or prefetch
+    fuse = fuse or fuse_layers
     say = progress or (lambda _m: None)
     config = model_config(shape, layers=layers, max_positions=max(contexts) + headroom + 8)
     model = random_model(config, device, dtype, seed)
     with contextlib.ExitStack() as stack:
         # Before compiling: the compiled modules trace the fused / rerouted forwards.
         if gemm == "triton":
-            stack.enter_context(decode_gemms(model, fuse, fuse_layers, prefetch))
+            stack.enter_context(decode_gemms(model, fuse, fuse_layers))
         elif fuse:
             stack.enter_context(fused_projections(model))
         if compile is not None:
@@ -954,7 +930,6 @@ def decode_throughput(
         points, bw, params = _run_points(
             model, config, shape, batches, contexts, methods, device, dtype, headroom,
             memory_fraction, seed, compile, fuse, compile_scope, gemm, say, fuse_layers,
-            prefetch,
         )  # fmt: skip
     context = {
         "shape": shape,
@@ -971,7 +946,6 @@ def decode_throughput(
         "gemm": gemm,
         "fuse": fuse,
         "fuse_layers": fuse_layers,
-        "prefetch": prefetch,
         "methods": [m.label for m in methods],
     }
     del model
@@ -998,7 +972,6 @@ def _run_points(
     gemm: str,
     say: Callable[[str], None],
     fuse_layers: bool = False,
-    prefetch: bool = False,
 ) -> tuple[list[ThroughputPoint], float, int]:
     bw = copy_bandwidth(device)
     per_token = kv_bytes_per_token(config, dtype)
@@ -1046,7 +1019,6 @@ def _run_points(
                     compile_scope,
                     gemm,
                     fuse_layers,
-                    prefetch,
                 )
                 for m in methods
             ]
@@ -1103,8 +1075,7 @@ def point_label(p: ThroughputPoint) -> str:
     if p.compiled:
         label += " · compiled layers" if p.compile_scope == "layers" else " · compiled"
     label += " · fused layers" if p.fused_layers else " · fused" if p.fused else ""
-    label += " · triton GEMMs" if p.gemm == "triton" else ""
-    return label + (" · prefetch" if p.prefetch else "")
+    return label + (" · triton GEMMs" if p.gemm == "triton" else "")
 
 
 def table5_figure(points: Sequence[ThroughputPoint], path: Any) -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from prhs_core.checks import check_float_tensor
-from prhs_kernels.paths import announce, interpreting, kernel_path
+from prhs_kernels.paths import announce, kernel_path
 
 __all__ = [
     "MAX_ROWS",
@@ -97,14 +97,10 @@ def _decode_linear_op(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from prhs_kernels.gemm.triton import decode_linear_triton, prefetch_l2_triton
+    from prhs_kernels.gemm.triton import decode_linear_triton
 
-    y = decode_linear_triton(x, weight, bias, residual=residual)[0]
-    if prefetch is not None and not interpreting():  # the interpreter has no inline assembly
-        prefetch_l2_triton(prefetch)
-    return y
+    return decode_linear_triton(x, weight, bias, residual=residual)[0]
 
 
 @_decode_linear_op.register_fake
@@ -113,7 +109,6 @@ def _(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -230,32 +225,17 @@ def decode_linear(
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]ᵀ (+ bias [N])`` -> ``[..., N]``, as ``F.linear`` computes it
     (float32 accumulation, the output in ``x``'s dtype); the Triton weight stream where
     :func:`decode_linear_path` says so. ``residual [..., N]``: added to the output in the same
     pass (a decoder layer's residual stream after its down projection), before the one
     rounding to ``x``'s dtype; on the ``torch`` path, ``residual + F.linear(...)`` as the unfused
-    layer computes it.
-
-    ``prefetch`` (a contiguous tensor on ``x``'s device, any dtype): once the GEMM is done,
-    ask the L2 cache for its bytes (:func:`~prhs_kernels.gemm.triton.prefetch_l2_triton`, a
-    launch that returns at once while the memory system fetches) -- the next GEMM's weight,
-    fetched while the small kernels between the two leave the memory bus idle. A hint: the
-    result is the same with or without it; only the compiled Triton path on CUDA issues it."""
+    layer computes it."""
     _check(x, weight, bias)
     n, k = weight.shape
     if residual is not None:
         _check_like("residual", residual, x, (*x.shape[:-1], n))
-    if prefetch is not None:
-        if not isinstance(prefetch, torch.Tensor):
-            raise TypeError(f"prefetch must be a tensor or None, got {type(prefetch).__name__}")
-        if prefetch.device != x.device or not prefetch.is_contiguous():
-            raise ValueError(
-                f"prefetch must be a contiguous tensor on x's device ({x.device}), got one on "
-                f"{prefetch.device}{'' if prefetch.is_contiguous() else ', not contiguous'}"
-            )
     rows = x.numel() // k if k else 0
     path = decode_linear_path(rows, weight)
     if path == "torch" or rows == 0:
@@ -263,8 +243,7 @@ def decode_linear(
         return y if residual is None else residual + y
     announce("decode_linear", path, x.device)
     res = None if residual is None else _rows(residual, rows)
-    y = _decode_linear_op(_rows(x, rows), weight, _dense(bias), res, prefetch)
-    return y.view(*x.shape[:-1], n)
+    return _decode_linear_op(_rows(x, rows), weight, _dense(bias), res).view(*x.shape[:-1], n)
 
 
 def decode_linear_residual_norm(

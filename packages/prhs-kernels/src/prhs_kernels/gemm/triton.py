@@ -24,7 +24,7 @@ import triton.language as tl
 from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded MMA tile
 from prhs_kernels.paths import interpreting
 
-__all__ = ["PREFETCH", "decode_linear_triton", "plan", "plan_swiglu", "prefetch_l2_triton"]
+__all__ = ["decode_linear_triton", "plan", "plan_swiglu"]
 
 
 def _decode_linear_kernel(
@@ -119,62 +119,6 @@ def _decode_linear_kernel(
         hg_ptr = HG + offs_m[None, :] * stride_hm + offs_n[:, None]
         tl.store(hg_ptr, (h * g[:, None]).to(Y.dtype.element_ty), mask=out_ok)
         tl.store(PS + pid * M + offs_m, tl.sum(h * h, axis=0), mask=m_ok)
-
-
-#: How :func:`prefetch_l2_triton` asks for a tensor's bytes: ``mode`` ``"bulk"`` (one
-#: ``cp.async.bulk.prefetch.L2`` of ``chunk`` bytes a thread: the copy engine streams it, the
-#: program exits at once) or ``"lines"`` (one ``prefetch.global.L2`` per 128-byte line);
-#: ``evict_last``: the lines fetched are the last the L2 evicts (so the K/V the attention
-#: streams in between, loaded ``evict_first``, does not push them out).
-PREFETCH = {"mode": "bulk", "chunk": 16384, "evict_last": True}
-
-
-def _prefetch_kernel(P, n_items, ITEM: tl.constexpr, BLOCK: tl.constexpr, BULK: tl.constexpr,
-                     EVICT_LAST: tl.constexpr):  # fmt: skip
-    # Each element one request; the ones past the end repeat the last (a hint: harmless).
-    i = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), n_items - 1).to(tl.int64)
-    ptr = P + i * ITEM
-    if BULK:
-        size = tl.full([BLOCK], ITEM, tl.int32)
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; } // $0",
-                "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-        else:
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2; // $0",
-                "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-    elif EVICT_LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptr],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-_prefetch_jit = triton.jit(_prefetch_kernel)
-
-
-def prefetch_l2_triton(t: torch.Tensor) -> None:
-    """Ask the L2 for ``t``'s bytes (contiguous, on CUDA, compiled Triton -- the interpreter
-    has no inline assembly) without waiting for them: :data:`PREFETCH` says how. Whole
-    requests only (``chunk`` bytes in bulk mode, 128-byte lines otherwise): a tail shorter
-    than one is not asked for. Only a hint: nothing is written, and a later read of ``t``
-    returns its values whether the bytes arrived or not."""
-    raw = t.view(-1).view(torch.uint8)
-    bulk = PREFETCH["mode"] == "bulk" and raw.data_ptr() % 16 == 0  # bulk: 16-byte aligned
-    item = int(PREFETCH["chunk"]) if bulk else 128
-    n_items = raw.numel() // item
-    if n_items == 0:
-        return
-    block = 128 if bulk else 1024
-    _prefetch_jit[(triton.cdiv(n_items, block),)](
-        raw, n_items, ITEM=item, BLOCK=block, BULK=bulk,
-        EVICT_LAST=bool(PREFETCH["evict_last"]), num_warps=4,
-    )  # fmt: skip
 
 
 @functools.cache

@@ -1,0 +1,36 @@
+# Kernel tuning knobs A/B'd on Table V points, on the device: each point's CIS-8 reuse row (or
+# the methods named) in the best setting with --fuse-layers, once per variant, all in one run.
+# A variant is a '+'-joined list of knobs (anything else: the shipped settings):
+#   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
+#   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
+# Usage: PRHS_COMMIT=<sha> [VARIANTS="base ef"] [POINTS="llama2-7b:8:4096:CIS ..."] \
+#        bash benchmarks/scripts/tuning_ab_device.sh
+set -e
+export PYTHONPATH=packages/prhs-core/src:packages/prhs-kernels/src:packages/prhs-selectors/src:packages/prhs-eval/src
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+best="--compile --compile-scope layers --fuse --gemm triton --fuse-layers"
+reuse="prhs[block_size=8;tau=-1.0;rescore=0]"
+for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-8 reuse row)
+    IFS=: read -r shape batch context methods <<< "$point"
+    methods=${methods//CIS/$reuse}
+    for variant in ${VARIANTS:-base ef}; do
+        knobs=""
+        for knob in ${variant//+/ }; do
+            case "$knob" in
+                ef) knobs="$knobs s.TUNING['kv_evict_first'] = True;" ;;
+                ml*) knobs="$knobs s.TUNING['merge_last'] = ${knob#ml};" ;;
+            esac
+        done
+        dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
+        python - table5 --shapes "$shape" --batches "$batch" --contexts "$context" \
+            --methods "$methods" $best --out "$dir" <<EOF 2>&1 | grep -v "^\[transformers\]\|Warning\|warn\|^$\|This call\|File \|if _forced"
+import sys
+import prhs_kernels.sparse_decode.triton as s
+$knobs
+from prhs_eval.cli import main
+sys.exit(main(sys.argv[1:]))
+EOF
+        rm -f "$dir"/table5/{README.md,table.rst,*.png}
+        sed "s/^{/{\"variant\": \"$variant\", /" "$dir/table5/rows.jsonl" >> "$OUT/all-rows.jsonl" || true
+    done
+done
