@@ -3,6 +3,7 @@
 # A variant is a '+'-joined list of knobs (anything else: the shipped settings):
 #   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
+#   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
 # Usage: PRHS_COMMIT=<sha> [VARIANTS="base ef"] [POINTS="llama2-7b:8:4096:CIS ..."] \
 #        bash benchmarks/scripts/tuning_ab_device.sh
 set -e
@@ -19,6 +20,7 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
             case "$knob" in
                 ef) knobs="$knobs s.TUNING['kv_evict_first'] = True;" ;;
                 ml*) knobs="$knobs s.TUNING['merge_last'] = ${knob#ml};" ;;
+                w*) knobs="$knobs s.TUNING['waves'] = ${knob#w};" ;;
             esac
         done
         dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
