@@ -119,7 +119,7 @@ def main() -> int:
     kv_sizes = {"kv134MB": 134 << 20, "kv67MB": 67 << 20, "kv0": 0}
     kvs = {name: [torch.randn(b // 2, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
            for name, b in kv_sizes.items() if b}  # fmt: skip
-    ref = (x.float() @ ws[0].float().T)
+    ref = x.float() @ ws[0].float().T
     got = decode_linear_triton(x, ws[0], None, out=y)[0]
     err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
@@ -153,7 +153,8 @@ def main() -> int:
 
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "rows": a.rows, "chain": a.chain, "gemm_rel_err": err}  # fmt: skip
+            "triton": triton.__version__, "rows": a.rows, "chain": a.chain,
+            "gemm_rel_err": err}  # fmt: skip
     print(meta, flush=True)
     prefetches = ["none", "lines", "lines-last", "bulk", "bulk-last", "bulk-last:65536"]
     # The parts alone.

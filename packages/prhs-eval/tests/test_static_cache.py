@@ -95,6 +95,28 @@ def test_row_bounds_of_a_static_prefix_and_a_left_padded_row():
     assert lens.tolist() == [2]
 
 
+def test_unchecked_steps_take_row_bounds_in_one_op(make_tiny, monkeypatch):
+    """An unchecked decode step finds each row's run with prhs_kernels' row_bounds (one launch
+    on CUDA) instead of the checked path's reductions and casts; same tokens either way."""
+    import prhs_eval.integration as integration
+
+    calls = []
+    real = integration.row_bounds
+    monkeypatch.setattr(integration, "row_bounds",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))  # fmt: skip
+    model = make_tiny("llama")
+    batch = _batch(128, [61, 40, 52])  # left-padded rows: starts 0, 21, 9
+    got = {}
+    for checked in (True, False):
+        runtime = prhs_eval.enable(model, "cis", checked=checked, budget=12, tau=0.5)
+        try:
+            got[checked] = _gen(model, batch, cache_implementation="static")
+        finally:
+            runtime.disable()
+        assert bool(calls) is not checked  # only unchecked steps call it
+    assert torch.equal(got[True], got[False])
+
+
 def test_stats_without_an_observer_and_attach_errors(make_tiny):
     from transformers import StaticCache
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prhs_core.layout import ContiguousKV
-from prhs_kernels.kv import gather_kv, token_locations
+from prhs_kernels.kv import gather_kv, row_bounds, row_bounds_reference, token_locations
 
 
 def test_helper_layouts_hold_nan_where_unused(make_kv):
@@ -151,3 +151,38 @@ def test_meta_shapes(make_meta_layouts):
         assert (v.shape, v.dtype) == ((b, hkv, 7, d), torch.bfloat16), name
         loc = token_locations(kv, torch.empty(b, 5, dtype=torch.int32, device="meta"), 64)
         assert (loc.shape, loc.dtype, loc.device.type) == ((b, 5), torch.int64, "meta"), name
+
+
+def _masks() -> list[torch.Tensor]:
+    """Validity masks: a left-padded run, a static cache's filled prefix, an empty row, a full
+    one, a single column; and a strided view of a [B, 1, Tq, T] attention mask."""
+    m = torch.zeros(4, 37, dtype=torch.bool)
+    m[0, 5:] = True  # left padding
+    m[1, :12] = True  # a filled prefix, then capacity
+    m[3, 36] = True  # only the last column
+    full = torch.ones(2, 3, dtype=torch.bool)
+    four = torch.zeros(3, 1, 2, 20, dtype=torch.bool)
+    four[0, 0, -1, 4:9] = True
+    four[2, 0, -1, :] = True
+    return [m, full, four[:, 0, -1, :]]
+
+
+def test_row_bounds_torch_path():
+    for m in _masks():
+        start, lens = row_bounds(m, torch.float32)
+        assert start.dtype == lens.dtype == torch.int32
+        for r in range(m.shape[0]):
+            cols = m[r].nonzero().flatten().tolist()
+            assert int(lens[r]) == len(cols)
+            assert int(start[r]) == (cols[0] if cols else 0)
+        ref = row_bounds_reference(m)
+        assert torch.equal(start, ref[0]) and torch.equal(lens, ref[1])
+
+
+def test_row_bounds_rejects_bad_input_and_runs_on_meta():
+    for bad in (torch.zeros(2, 3), torch.zeros(2, 3, 4, dtype=torch.bool), [[True]]):
+        with pytest.raises(ValueError, match=r"\[B, T\] bool"):
+            row_bounds(bad, torch.bfloat16)  # type: ignore[arg-type]
+    start, lens = row_bounds(torch.empty(3, 50, dtype=torch.bool, device="meta"), torch.bfloat16)
+    assert (start.shape, start.dtype, start.device.type) == ((3,), torch.int32, "meta")
+    assert (lens.shape, lens.dtype, lens.device.type) == ((3,), torch.int32, "meta")

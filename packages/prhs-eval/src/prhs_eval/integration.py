@@ -67,6 +67,7 @@ from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels import sparse_decode_attention, token_locations
+from prhs_kernels.kv import row_bounds
 from prhs_kernels.paths import warm_up
 from prhs_kernels.prefill import psaw_prefill_attention
 
@@ -530,8 +531,11 @@ class PrhsRuntime:
             # verify it on the host; unchecked ones read nothing).
             last_row = attention_mask[:, 0, -1, :] if attention_mask is not None else None
             check = tq > 1 or self._checked(query.device)
-            self._rows = _row_bounds(last_row, b, tk, query.device, check=check)
-            self._rows32 = (self._rows[0].to(torch.int32), self._rows[1].to(torch.int32))
+            if check or last_row is None or last_row.dtype != torch.bool:
+                self._rows = _row_bounds(last_row, b, tk, query.device, check=check)
+                self._rows32 = (self._rows[0].to(torch.int32), self._rows[1].to(torch.int32))
+            else:  # an unchecked step: int32 bounds in one launch; the int64 ones go unused
+                self._rows = self._rows32 = row_bounds(last_row, key.dtype)
         start, lens = self._rows
         start32, lens32 = self._rows32
         kv = ContiguousKV(key, value, lens32, start32)

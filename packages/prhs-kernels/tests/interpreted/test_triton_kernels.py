@@ -305,3 +305,27 @@ def test_retrieval_rejects_bad_input(make_kv):
         retrieval_probs(q, kv, 0.25, torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="out must be a float32"):
         retrieval_probs(q, kv, 0.25, out=torch.empty(1, 2, 10, dtype=torch.float16))
+
+
+def test_row_bounds_kernel_matches_reference(monkeypatch):
+    """One program a row over tiles of columns: rows shorter and longer than a tile, empty,
+    full, strided (a view of a 4-D attention mask), each row's run anywhere."""
+    from prhs_kernels.kv import row_bounds, row_bounds_reference
+    from prhs_kernels.kv import triton as kv_triton
+
+    monkeypatch.setattr(kv_triton, "BLOCK", 16)  # tiles of 16 columns: several a row
+    gen = torch.Generator().manual_seed(0)
+    for b, t in ((1, 1), (3, 16), (5, 37), (4, 100)):
+        four = torch.zeros(b, 1, 2, t, dtype=torch.bool)
+        for r in range(b):
+            lo = int(torch.randint(0, t + 1, (1,), generator=gen))
+            hi = int(torch.randint(lo, t + 1, (1,), generator=gen))
+            four[r, 0, -1, lo:hi] = True
+        four[0, 0, -1, :] = True
+        if b > 2:
+            four[2, 0, -1, :] = False
+        for m in (four[:, 0, -1, :], four[:, 0, -1, :].contiguous()):
+            assert paths.kernel_path(m.device, torch.bfloat16) == "triton-interpreter"
+            got = row_bounds(m, torch.bfloat16)
+            ref = row_bounds_reference(m)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (b, t)

@@ -1,8 +1,10 @@
-"""KV reads through either layout: the KV location of a logical position, and gathers.
+"""KV reads through either layout: the KV location of a logical position, gathers, and each
+row's cached run.
 
 :func:`token_locations` maps logical positions to the physical KV locations that side caches
 are indexed by (:mod:`prhs_core.layout`); :func:`gather_kv` reads keys and values at logical
-positions in the cache's dtype. Both are static-shape and read no device value on the host.
+positions in the cache's dtype; :func:`row_bounds` finds each row's cached run in a validity
+mask (one Triton launch on CUDA). All are static-shape and read no device value on the host.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from prhs_core.checks import check_index_tensor, check_int, shape_str
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
 from prhs_kernels.kv.reference import (
     gather_kv_reference,
+    row_bounds_reference,
     token_locations_reference,
     valid_positions,
 )
+from prhs_kernels.paths import announce, kernel_path
 
 __all__ = [
     "gather_kv",
     "gather_kv_reference",
+    "row_bounds",
+    "row_bounds_reference",
     "token_locations",
     "token_locations_reference",
     "valid_positions",
@@ -59,3 +65,24 @@ def gather_kv(
             f"got {shape_str(positions)}"
         )
     return gather_kv_reference(kv, positions, values=values)
+
+
+def row_bounds(valid: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``(start [B], lens [B])`` of a ``[B, T]`` bool validity mask (any strides: a view
+    of a ``[B, 1, Tq, T]`` attention mask will do): each row's first valid column (0 for a row
+    with none) and its number of valid columns -- a row's cached run when its valid columns
+    are contiguous (not checked here: nothing is read on the host). The path follows the
+    cache's dtype as every decode op's does (:func:`~prhs_kernels.paths.kernel_path`): one
+    Triton launch (:mod:`prhs_kernels.kv.triton`) for a half-precision cache on CUDA, the
+    torch reference (two reductions, two casts) otherwise."""
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.ndim != 2:
+        got = shape_str(valid) if isinstance(valid, torch.Tensor) else type(valid).__name__
+        kind = f" {valid.dtype}" if isinstance(valid, torch.Tensor) else ""
+        raise ValueError(f"valid must be a [B, T] bool tensor, got{kind} {got}")
+    path = kernel_path(valid.device, cache_dtype)
+    if path == "torch" or valid.shape[1] == 0:
+        return row_bounds_reference(valid)
+    announce("row_bounds", path, valid.device)
+    from prhs_kernels.kv.triton import row_bounds_triton
+
+    return row_bounds_triton(valid)

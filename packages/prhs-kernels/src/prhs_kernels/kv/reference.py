@@ -9,7 +9,12 @@ import torch
 
 from prhs_core.layout import ContiguousKV, KVLayout
 
-__all__ = ["gather_kv_reference", "token_locations_reference", "valid_positions"]
+__all__ = [
+    "gather_kv_reference",
+    "row_bounds_reference",
+    "token_locations_reference",
+    "valid_positions",
+]
 
 
 def valid_positions(kv: KVLayout, positions: torch.Tensor) -> torch.Tensor:
@@ -67,3 +72,13 @@ def gather_kv_reference(
     if v is not None:
         v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
     return k, v
+
+
+def row_bounds_reference(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``(start [B], lens [B])`` of a ``[B, T]`` bool mask: each row's first ``True``
+    column (0 for a row with none) and its count of ``True``."""
+    lens = valid.sum(-1, dtype=torch.int32)
+    # argmax of a bool row finds its first True (read as uint8 in place: argmax has no bool
+    # kernel); a row with none: 0.
+    start = valid.view(torch.uint8).argmax(-1).to(torch.int32)
+    return start, lens
