@@ -4,6 +4,7 @@
 #   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
+#   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 # Usage: PRHS_COMMIT=<sha> [VARIANTS="base ef"] [POINTS="llama2-7b:8:4096:CIS ..."] \
 #        bash benchmarks/scripts/tuning_ab_device.sh
 set -e
@@ -21,6 +22,7 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
                 ef) knobs="$knobs s.TUNING['kv_evict_first'] = True;" ;;
                 ml*) knobs="$knobs s.TUNING['merge_last'] = ${knob#ml};" ;;
                 w*) knobs="$knobs s.TUNING['waves'] = ${knob#w};" ;;
+                rbref) knobs="$knobs import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R; I.row_bounds = lambda v, d: R(v);" ;;
             esac
         done
         dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
