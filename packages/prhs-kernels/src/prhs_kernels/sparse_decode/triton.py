@@ -72,6 +72,40 @@ def _write_normalised(
     tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse, mask=g_ok)
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _merge_head(
+    PO, PM, PL, OUT, LSE, row, b, qh, n_splits,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One query head's output and ``lse`` from its ``n_splits`` slices' partials (``row``:
+    the head's index among the partials' rows), all loaded at once (one round trip to memory,
+    past L1: another program may have written them) and written into ``OUT`` / ``LSE``."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < n_splits
+    base = row * n_splits + offs_s
+    m = tl.load(PM + base, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(PL + base, mask=s_ok, other=0.0, cache_modifier=".cg")
+    o = tl.load(
+        PO + base[:, None] * DV + offs_dv[None, :],
+        mask=s_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(s_ok, tl.exp(m - m_safe), 0.0)
+    total = tl.sum(l_s * w, 0)
+    o = tl.sum(o * w[:, None], 0)
+    empty = total == 0.0
+    o = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total))
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+    out_ptr = OUT + b.to(tl.int64) * stride_ob + qh * stride_oh + offs_dv
+    tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse)
+
+
 def _split_kernel(
     Q,
     K,
@@ -122,6 +156,7 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     KV_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -238,29 +273,12 @@ def _split_kernel(
             arrived = tl.atomic_add(ARRIVE + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
                 tl.atomic_xchg(ARRIVE + pid, 0, sem="relaxed", scope="gpu")
-                row0 = (b.to(tl.int64) * (HKV * G) + qh) * n_splits  # [BLOCK_G]
-                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                l_all = tl.zeros([BLOCK_G], tl.float32)
-                o_all = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-                for j in range(0, n_splits):
-                    m_j = tl.load(PM + row0 + j, mask=g_ok, other=float("-inf"),
-                                  cache_modifier=".cg")  # fmt: skip
-                    l_j = tl.load(PL + row0 + j, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    o_j = tl.load(
-                        PO + (row0 + j)[:, None] * DV + offs_dv[None, :],
-                        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    m_new = tl.maximum(m_all, m_j)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    a_old = tl.exp(m_all - m_safe)
-                    a_j = tl.exp(m_j - m_safe)
-                    l_all = l_all * a_old + l_j * a_j
-                    o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
-                    m_all = m_new
-                _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, o_all, l_all, m_all,
-                                  stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
+                # Each query head's slices at once (heads unrolled): one round trip to
+                # memory per head instead of one per slice.
+                for gi in tl.static_range(G):
+                    _merge_head(PO, PM, PL, OUT, LSE, b.to(tl.int64) * (HKV * G) + h * G + gi,
+                                b, h * G + gi, n_splits, stride_ob, stride_oh, stride_lb,
+                                stride_lh, DV, BLOCK_DV, BLOCK_S)  # fmt: skip
 
 
 def _merge_kernel(
@@ -280,30 +298,8 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    b = pid // HQ
-    qh = pid % HQ
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < n_splits
-    base = pid.to(tl.int64) * n_splits + offs_s
-    m = tl.load(PM + base, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(PL + base, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(s_ok, tl.exp(m - m_safe), 0.0)
-    total = tl.sum(l_s * w, 0)
-    o = tl.load(
-        PO + base[:, None] * DV + offs_dv[None, :],
-        mask=s_ok[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
-    o = tl.sum(o * w[:, None], 0)
-    empty = total == 0.0
-    o = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total))
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
-    out_ptr = OUT + b.to(tl.int64) * stride_ob + qh * stride_oh + offs_dv
-    tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=offs_dv < DV)
-    tl.store(LSE + b.to(tl.int64) * stride_lb + qh * stride_lh, lse)
+    _merge_head(PO, PM, PL, OUT, LSE, pid.to(tl.int64), pid // HQ, pid % HQ, n_splits,
+                stride_ob, stride_oh, stride_lb, stride_lh, DV, BLOCK_DV, BLOCK_S)  # fmt: skip
 
 
 @functools.cache
@@ -439,6 +435,7 @@ def sparse_decode_attention_triton(
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
+        BLOCK_S=_pow2(n_split, 2),
         KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
