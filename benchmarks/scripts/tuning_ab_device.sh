@@ -19,10 +19,15 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
         knobs=""
         for knob in ${variant//+/ }; do
             case "$knob" in
-                ef) knobs="$knobs s.TUNING['kv_evict_first'] = True;" ;;
-                ml*) knobs="$knobs s.TUNING['merge_last'] = ${knob#ml};" ;;
-                w*) knobs="$knobs s.TUNING['waves'] = ${knob#w};" ;;
-                rbref) knobs="$knobs import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R; I.row_bounds = lambda v, d: R(v);" ;;
+                ef) knobs="$knobs
+s.TUNING['kv_evict_first'] = True" ;;
+                ml*) knobs="$knobs
+s.TUNING['merge_last'] = ${knob#ml}" ;;
+                w*) knobs="$knobs
+s.TUNING['waves'] = ${knob#w}" ;;
+                rbref) knobs="$knobs
+import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R
+I.row_bounds = lambda v, d: R(v)" ;;
             esac
         done
         dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
