@@ -32,7 +32,7 @@ I.row_bounds = lambda v, d: R(v)" ;;
         done
         dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
         python - table5 --shapes "$shape" --batches "$batch" --contexts "$context" \
-            --methods "$methods" $best --out "$dir" <<EOF 2>&1 | grep -v "^\[transformers\]\|Warning\|warn\|^$\|This call\|File \|if _forced"
+            --methods "$methods" $best --out "$dir" <<EOF 2>&1 | grep -v "^\[transformers\]\|Warning\|warn\|^$\|This call\|if _forced"
 import sys
 import prhs_kernels.sparse_decode.triton as s
 $knobs
