@@ -199,6 +199,40 @@ def test_sparse_decode_merges_only_when_a_list_is_split(monkeypatch, make_kv, wa
     assert len(launches) == (0 if waves == 0 else len(data.layouts))
 
 
+def test_sparse_decode_slices_cut_each_rows_count_not_the_width(monkeypatch, make_kv):
+    # Rows of 4 and 5 tiles in a list 8 tiles wide, over 4 slices: every slice reads a tile
+    # of its row (cut from the width, the last two slices of the 4-tile row would read
+    # nothing and its first two twice as much), and the merged output is the reference's.
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setitem(sd.TUNING, "waves", 2)
+    monkeypatch.setitem(sd.TUNING, "merge_last", 0)
+    partials = []
+    split_kernel, merge_kernel = sd._kernels(True)
+
+    class Seen:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                partials.append(args[2].clone())  # PL [B, Hq, S]: each slice's sum
+                return merge_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Seen()))
+    data = make_kv([600, 600], 1, 16, dtype=torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 2, 16, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(75, generator=gen)[:64] for _ in range(2)]).view(2, 1, 64)
+    sel = Selection(idx.to(torch.int32), torch.tensor([[32], [40]], dtype=torch.int32), 8)
+    assert sd.num_splits(2, 64 * 8, torch.device("cpu")) == 4
+    kv = data.layouts["contig"]
+    got = sparse_decode_attention(q, kv, sel, 0.25)
+    _close_attention(got, _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25),
+                     torch.bfloat16)  # fmt: skip
+    (part_l,) = partials
+    assert part_l.shape == (2, 2, 4) and (part_l > 0).all()
+
+
 def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_kv):
     # ``merge_last``: a row's last slice to finish merges its partials; no merge launch, the
     # reference's numbers (rows with nothing to read included), and every counter back at 0.

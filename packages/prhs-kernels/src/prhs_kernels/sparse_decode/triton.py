@@ -2,11 +2,13 @@
 
 One launch, or two when a row's list takes more than ``TUNING["merge_last"]`` slices:
 
-1. ``_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, j)`` takes the ``j``-th slice of
-   row ``(b, h)``'s list (positions, or ``s``-block entries expanded to positions, or every
-   position when dense), loads each listed K and V row straight from the cache (contiguous or
-   through the request-to-token table, no gathered copy; a tile's V rows with its K rows, and
-   the next tile's list entries a tile ahead) and runs an online softmax for *all*
+1. ``_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, j)`` takes the ``j``-th of ``S``
+   nearly equal runs of tiles of row ``(b, h)``'s list (positions, or ``s``-block entries
+   expanded to positions, or every position when dense), cut from the row's own count or
+   length rather than from the list's width or the cache's capacity; it loads each listed K
+   and V row straight from the cache (contiguous or through the request-to-token table, no
+   gathered copy; a tile's V rows with its K rows, and the next tile's list entries a tile
+   ahead) and runs an online softmax for *all*
    ``g = Hq / Hkv`` query heads of the group at once (one ``tl.dot`` of the ``[g, D]`` queries
    against ``[N, D]`` keys), so a row is read once per group, not once per query head. When the
    split count is 1 (enough (sequence, KV head) rows to fill the GPU, or lists of one tile) it
@@ -19,8 +21,9 @@ One launch, or two when a row's list takes more than ``TUNING["merge_last"]`` sl
    into ``out=`` / ``lse=``.
 
 ``S`` (the split count) is a static function of the shapes and the GPU's multiprocessor count,
-so a step keeps its launch shapes from one decode step to the next (CUDA-graph safe); slices past
-a row's count exit after reading the count. Nothing is read on the host.
+so a step keeps its launch shapes from one decode step to the next (CUDA-graph safe); a slice
+with no tile of its row (a row of fewer tiles than slices) writes an empty partial. Nothing is
+read on the host.
 
 Semantics are the torch reference's: entries past a count, negative ids and positions past a
 sequence's end are not read; a row with nothing to read gives ``out = 0`` and ``lse = -inf``; a
@@ -51,8 +54,10 @@ to this many slices a row, the row's last slice to finish merges the row's parti
 (counted in an int32 counter per row) instead of a second launch (0: always launch the merge).
 On an H200, back to back, 128 blocks of 8 a row: B16·Hkv8 (4 slices) 26.6 → 25.5 µs, B8·Hkv32
 (2 slices) 41.1 → 40.0; but B1·Hkv32 (16 slices) 12.8 → 15.4, one program's merge of 16 slices
-in a row costing more than the launch it saves. Module-level so that
-``benchmarks/scripts/kernels.py`` can sweep them; chosen there, on an H200."""
+in a row costing more than the launch it saves. ``kv_evict_first``: load K/V rows with the
+``evict_first`` cache hint (no change measured in a whole step: Llama-2-7B B8·T4k 6.339 against
+6.340 ms; off). Module-level so that ``benchmarks/scripts/kernels.py`` and
+``benchmarks/scripts/tuning_ab_device.sh`` can sweep them; chosen there, on an H200."""
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -78,9 +83,11 @@ def _merge_head(
     stride_ob, stride_oh, stride_lb, stride_lh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One query head's output and ``lse`` from its ``n_splits`` slices' partials (``row``:
-    the head's index among the partials' rows), all loaded at once (one round trip to memory,
-    past L1: another program may have written them) and written into ``OUT`` / ``LSE``."""
+    """The merge kernel's work for one query head: its output and ``lse`` from its
+    ``n_splits`` slices' partials (``row``: the head's index among the partials' rows), all
+    loaded at once and written into ``OUT`` / ``LSE``. (The split kernel's last slice merges
+    with a loop over slices instead: this helper unrolled over a group's heads there made a
+    Llama-3-8B B16·T16k step 0.1 ms slower on an H200.)"""
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < n_splits
@@ -139,7 +146,6 @@ def _split_kernel(
     stride_lh,
     scaling,
     k_max,
-    per_split,
     n_splits,
     HKV: tl.constexpr,
     G: tl.constexpr,
@@ -156,7 +162,6 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     KV_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -169,8 +174,12 @@ def _split_kernel(
     else:
         cnt = tl.minimum(tl.maximum(tl.load(CNT + b * HKV + h), 0), k_max)
         n_virt = cnt * BS
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, n_virt)
+    # The row's own tiles (not the list's width) are cut into n_splits nearly equal runs, so
+    # a row shorter than its width keeps every slice busy and no slice reads more than
+    # ceil(tiles / n_splits) tiles.
+    n_tiles = (n_virt + BLOCK_N - 1) // BLOCK_N
+    lo = (split * n_tiles // n_splits) * BLOCK_N
+    hi = tl.minimum(((split + 1) * n_tiles // n_splits) * BLOCK_N, n_virt)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -273,12 +282,29 @@ def _split_kernel(
             arrived = tl.atomic_add(ARRIVE + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
                 tl.atomic_xchg(ARRIVE + pid, 0, sem="relaxed", scope="gpu")
-                # Each query head's slices at once (heads unrolled): one round trip to
-                # memory per head instead of one per slice.
-                for gi in tl.static_range(G):
-                    _merge_head(PO, PM, PL, OUT, LSE, b.to(tl.int64) * (HKV * G) + h * G + gi,
-                                b, h * G + gi, n_splits, stride_ob, stride_oh, stride_lb,
-                                stride_lh, DV, BLOCK_DV, BLOCK_S)  # fmt: skip
+                row0 = (b.to(tl.int64) * (HKV * G) + qh) * n_splits  # [BLOCK_G]
+                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l_all = tl.zeros([BLOCK_G], tl.float32)
+                o_all = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+                for j in range(0, n_splits):
+                    m_j = tl.load(PM + row0 + j, mask=g_ok, other=float("-inf"),
+                                  cache_modifier=".cg")  # fmt: skip
+                    l_j = tl.load(PL + row0 + j, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    o_j = tl.load(
+                        PO + (row0 + j)[:, None] * DV + offs_dv[None, :],
+                        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_all, m_j)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    a_old = tl.exp(m_all - m_safe)
+                    a_j = tl.exp(m_j - m_safe)
+                    l_all = l_all * a_old + l_j * a_j
+                    o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
+                    m_all = m_new
+                _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, o_all, l_all, m_all,
+                                  stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
 
 
 def _merge_kernel(
@@ -405,9 +431,7 @@ def sparse_decode_attention_triton(
             idx = idx.contiguous()
         stride_ib, stride_ih = idx.stride(0), idx.stride(1)
     n_split = num_splits(b * hkv, max_positions, dev)
-    per_split = -(-max(max_positions, 1) // n_split)
     block_n = TUNING["block_n"]
-    per_split = -(-per_split // block_n) * block_n
     direct = n_split == 1  # the split kernel writes the output itself: no partials, no merge
     n_part = 0 if direct else n_split
     part_o = torch.empty(b, hq, n_part, dv, dtype=torch.float32, device=dev)
@@ -431,11 +455,10 @@ def sparse_decode_attention_triton(
         skb, skh, skt, svb, svh, svt,
         stride_ib, stride_ih, stride_rt,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        float(scaling), k_max, per_split, n_split,
+        float(scaling), k_max, n_split,
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
-        BLOCK_S=_pow2(n_split, 2),
         KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
