@@ -5,10 +5,14 @@
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
+#   atC   the packages as of commit C, from ab/C/ (untracked: extract it first with
+#         mkdir -p ab/C && git archive C packages/*/src | tar -x -C ab/C)
 # Usage: PRHS_COMMIT=<sha> [VARIANTS="base ef"] [POINTS="llama2-7b:8:4096:CIS ..."] \
 #        bash benchmarks/scripts/tuning_ab_device.sh
 set -e
-export PYTHONPATH=packages/prhs-core/src:packages/prhs-kernels/src:packages/prhs-selectors/src:packages/prhs-eval/src
+src_path() {  # the packages' src folders under $1
+    echo "$1/packages/prhs-core/src:$1/packages/prhs-kernels/src:$1/packages/prhs-selectors/src:$1/packages/prhs-eval/src"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 best="--compile --compile-scope layers --fuse --gemm triton --fuse-layers"
 reuse="prhs[block_size=8;tau=-1.0;rescore=0]"
@@ -17,6 +21,7 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
     methods=${methods//CIS/$reuse}
     for variant in ${VARIANTS:-base ef}; do
         knobs=""
+        tree=.
         for knob in ${variant//+/ }; do
             case "$knob" in
                 ef) knobs="$knobs
@@ -25,13 +30,14 @@ s.TUNING['kv_evict_first'] = True" ;;
 s.TUNING['merge_last'] = ${knob#ml}" ;;
                 w*) knobs="$knobs
 s.TUNING['waves'] = ${knob#w}" ;;
+                at*) tree="ab/${knob#at}" ;;
                 rbref) knobs="$knobs
 import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R
 I.row_bounds = lambda v, d: R(v)" ;;
             esac
         done
         dir="$OUT/$shape-b$batch-t$context-${variant//+/_}"
-        python - table5 --shapes "$shape" --batches "$batch" --contexts "$context" \
+        PYTHONPATH=$(src_path "$tree") python - table5 --shapes "$shape" --batches "$batch" --contexts "$context" \
             --methods "$methods" $best --out "$dir" <<EOF 2>&1 | grep -v "^\[transformers\]\|Warning\|warn\|^$\|This call\|if _forced"
 import sys
 import prhs_kernels.sparse_decode.triton as s
