@@ -4,6 +4,7 @@
 #   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
+#   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   atC   the packages as of commit C, from ab/C/ (untracked: extract it first with
 #         mkdir -p ab/C && git archive C packages/*/src | tar -x -C ab/C)
@@ -30,6 +31,8 @@ s.TUNING['kv_evict_first'] = True" ;;
 s.TUNING['merge_last'] = ${knob#ml}" ;;
                 w*) knobs="$knobs
 s.TUNING['waves'] = ${knob#w}" ;;
+                sk) knobs="$knobs
+import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 at*) tree="ab/${knob#at}" ;;
                 rbref) knobs="$knobs
 import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R

@@ -241,3 +241,59 @@ def test_the_swiglu_plan_is_static():
     (the H200 sweep's best at both Llama shapes' gate|up)."""
     for n, k in [(11008, 4096), (14336, 4096), (70, 200), (1, 1)]:
         assert gemm_triton.plan_swiglu(n, k) == (64, 128, 4, 3)
+
+
+def _grids(monkeypatch) -> list:
+    """The grids the decode GEMM is launched on, from now on (the launches go ahead)."""
+    grids = []
+    kernel = gemm_triton._kernel(True)
+
+    class Seen:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gemm_triton, "_kernel", lambda interpret: Seen())
+    return grids
+
+
+def test_split_k_sums_its_slices_before_every_epilogue(monkeypatch):
+    # One stripe of 1024 columns on the interpreter's 4 "multiprocessors": K in 4 slices of
+    # 2 tiles, the last slice of the stripe summing them; the same numbers as one slice (the
+    # epilogues -- bias, residual, norm output and partial sums, the row scale -- run once, on
+    # the sum), and every counter back at 0.
+    from prhs_kernels.sparse_decode import triton as sd
+
+    monkeypatch.setitem(gemm_triton.TUNING, "min_tiles", 2)
+    monkeypatch.setattr(sd, "_ARRIVALS", {})
+    grids = _grids(monkeypatch)
+    gen, x, w, b = _draw((5,), 60, 1024, True)
+    r = (4 * torch.randn(5, 60, generator=gen)).to(x.dtype)
+    g = (1 + 0.5 * torch.randn(60, generator=gen)).to(x.dtype)
+    sumsq = torch.rand(3, 5, generator=gen) * 1024
+    runs = {}
+    for split in (True, False):
+        monkeypatch.setitem(gemm_triton.TUNING, "split_k", split)
+        runs[split] = (
+            decode_linear(x, w, b),
+            *decode_linear_residual_norm(x, w, b, residual=r, norm_weight=g),
+            gemm_triton.decode_linear_triton(x, w, b, sumsq=sumsq, eps=1e-6)[0],
+        )
+    assert [gr[1] for gr in grids] == [4, 4, 4, 1, 1, 1]
+    for got, want in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[True][0], decode_linear_reference(x, w, b))
+    (counters,) = sd._ARRIVALS.values()
+    assert not counters.any()
+
+
+def test_split_k_is_a_static_function_of_the_shapes(monkeypatch):
+    cuda132 = torch.device("cpu")
+    monkeypatch.setitem(gemm_triton.TUNING, "split_k", True)
+    monkeypatch.setattr(gemm_triton, "_multiprocessors", lambda device: 132)
+    assert gemm_triton.split_k(64, 4096, 128, cuda132) == 2  # the Llama shapes' o projection
+    assert gemm_triton.split_k(192, 4096, 128, cuda132) == 1  # Llama-2-7B's q|k|v
+    assert gemm_triton.split_k(128, 11008, 256, cuda132) == 1  # down: a stripe per SM already
+    assert gemm_triton.split_k(1, 512, 128, cuda132) == 1  # too few tiles to split
+    monkeypatch.setitem(gemm_triton.TUNING, "split_k", False)
+    assert gemm_triton.split_k(64, 4096, 128, cuda132) == 1

@@ -2,7 +2,7 @@
 
 A decode step's projections multiply a handful of rows (one per sequence) by each weight: the
 weight's bytes are the whole cost. :func:`decode_linear` runs them through a Triton kernel that
-reads each weight row once, with no split of the reduction (so no second launch), on CUDA for
+reads each weight row once, in one launch (no second reduction launch), on CUDA for
 fp16/bf16 inputs of at most :data:`MAX_ROWS` rows (:mod:`prhs_kernels.gemm.triton`); any other
 input -- more rows, float32, a CPU tensor (``TRITON_INTERPRET=1`` aside), a weight whose rows
 are not contiguous, ``PRHS_KERNELS=torch`` -- goes to ``torch.nn.functional.linear``. The choice

@@ -5,8 +5,12 @@ is the weight's bytes over the memory bandwidth. Grid ``(ceil(N / BLOCK_N),)``: 
 streams the weight's rows ``[j·BLOCK_N, (j+1)·BLOCK_N)`` over the whole of ``K`` in tiles of
 ``BLOCK_K`` columns, software-pipelined ``num_stages`` deep, and multiplies each tile by every
 row of ``x`` at once (one ``tl.dot`` of the ``[BLOCK_N, BLOCK_K]`` tile against ``xᵀ``, the
-rows padded to 16), accumulating in float32. No split of ``K``: every output is written once,
-by one program, so there is no second reduction launch and no atomics.
+rows padded to 16), accumulating in float32. Every output is written once, by one program, so
+there is no second reduction launch and no atomics on the outputs. With ``TUNING["split_k"]``
+(off by default), a weight of fewer stripes than the GPU has multiprocessors is streamed by
+``(stripe, slice of K)`` programs instead: each slice stores its float32 partial, and the
+stripe's last slice to finish (counted in an int32 counter per stripe) sums them in slice order
+and runs the epilogue (:func:`split_k`).
 
 The launch plan is a function of ``(N, K)`` only (:func:`plan`), chosen on an H200 by
 ``benchmarks/scripts/skinny_gemm_probe.py`` over every projection of the Llama-2-7B and
@@ -23,8 +27,18 @@ import triton.language as tl
 
 from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded MMA tile
 from prhs_kernels.paths import interpreting
+from prhs_kernels.sparse_decode.triton import _arrivals, _multiprocessors
 
-__all__ = ["decode_linear_triton", "plan", "plan_swiglu"]
+__all__ = ["TUNING", "decode_linear_triton", "plan", "plan_swiglu", "split_k"]
+
+TUNING = {"split_k": False, "max_split": 4, "min_tiles": 4}
+"""The split of ``K`` (:func:`split_k`): whether a weight with fewer row stripes than the GPU
+has multiprocessors streams each stripe in slices of ``K`` (more programs at once, the last
+slice of a stripe summing the partials), at most ``max_split`` slices of at least
+``min_tiles`` tiles of ``BLOCK_K``. Off by default: checked against the reference under the
+interpreter, not yet timed on a GPU (``benchmarks/scripts/split_k_check.py`` and the ``sk``
+variant of ``benchmarks/scripts/tuning_ab_device.sh`` measure it). Module-level so that a
+benchmark can sweep them."""
 
 
 def _decode_linear_kernel(
@@ -37,11 +51,14 @@ def _decode_linear_kernel(
     HG,
     PS,
     PSI,
+    PART,
+    ARRIVE,
     M,
     N,
     K,
     NP,
     eps,
+    k_split,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -58,8 +75,10 @@ def _decode_linear_kernel(
     RESIDUAL: tl.constexpr,
     NORM_OUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -74,12 +93,18 @@ def _decode_linear_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # The loop only loads and multiplies: a tile changed on its way to the MMA would go through
     # registers and back to shared memory, serialising the weight stream.
-    for k0 in range(0, K, BLOCK_K):
+    # SPLIT_K > 1: this program streams columns [split·k_split, (split+1)·k_split) only.
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = split * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w_ok = n_ok[:, None]
             x = tl.load(x_ptr + k0, mask=m_ok[None, :], other=0.0)
         else:
-            k_ok = (k0 + offs_k) < K
+            k_ok = (k0 + offs_k) < k_hi
             w_ok = n_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptr + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         w = tl.load(w_ptr + k0, mask=w_ok, other=0.0)
@@ -93,11 +118,32 @@ def _decode_linear_kernel(
             acc = tl.dot(w, x, acc)
             if SWIGLU:
                 acc_u = tl.dot(wu, x, acc_u)
+    if SPLIT_K > 1:
+        # Each slice of K stores its float32 partial; the stripe's last slice to finish (an
+        # int32 counter per stripe, raised after the partial is stored, set back to 0 by it)
+        # sums all of them in slice order (deterministic) and runs the epilogue: no second
+        # launch, no atomics on the outputs.
+        n_stripes = tl.num_programs(0)
+        tile = (offs_n - pid * BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        part = PART + (split * n_stripes + pid).to(tl.int64) * (BLOCK_N * BLOCK_M) + tile
+        tl.store(part, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ARRIVE + pid, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        tl.atomic_xchg(ARRIVE + pid, 0, sem="relaxed", scope="gpu", mask=last)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            acc += tl.load(
+                PART + (j * n_stripes + pid).to(tl.int64) * (BLOCK_N * BLOCK_M) + tile,
+                mask=last & (tile >= 0),
+                other=0.0,
+                cache_modifier=".cg",
+            )
     if ROW_SCALE:  # an RMS norm's 1 / rms of each input row, from partial sums of its squares
         offs_p = tl.arange(0, BLOCK_P)
-        part = tl.load(PSI + offs_p[:, None] * M + offs_m[None, :],
+        sums = tl.load(PSI + offs_p[:, None] * M + offs_m[None, :],
                        mask=(offs_p[:, None] < NP) & m_ok[None, :], other=0.0)  # fmt: skip
-        scale = tl.rsqrt(tl.sum(part, axis=0) / K + eps)
+        scale = tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
         acc = acc * scale[None, :]
         acc_u = acc_u * scale[None, :]
     if HAS_BIAS:
@@ -107,6 +153,10 @@ def _decode_linear_kernel(
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_u
     out_ok = n_ok[:, None] & m_ok[None, :]
+    ps_ok = m_ok
+    if SPLIT_K > 1:  # only the stripe's last slice writes the outputs
+        out_ok = out_ok & last
+        ps_ok = m_ok & last
     if RESIDUAL:
         r_ptr = R + offs_m[None, :] * stride_rm + offs_n[:, None]
         acc += tl.load(r_ptr, mask=out_ok, other=0.0).to(tl.float32)
@@ -118,7 +168,7 @@ def _decode_linear_kernel(
         g = tl.load(G + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         hg_ptr = HG + offs_m[None, :] * stride_hm + offs_n[:, None]
         tl.store(hg_ptr, (h * g[:, None]).to(Y.dtype.element_ty), mask=out_ok)
-        tl.store(PS + pid * M + offs_m, tl.sum(h * h, axis=0), mask=m_ok)
+        tl.store(PS + pid * M + offs_m, tl.sum(h * h, axis=0), mask=ps_ok)
 
 
 @functools.cache
@@ -148,6 +198,18 @@ def plan_swiglu(n: int, k: int) -> tuple[int, int, int, int]:
     gate|up (within 1.5 % of the plain kernel over the same ``[2N, K]`` weight)."""
     del n, k
     return 64, 128, 4, 3
+
+
+def split_k(stripes: int, k: int, block_k: int, device: torch.device) -> int:
+    """Slices of ``K`` per stripe: enough for about one program per multiprocessor
+    (``stripes`` of them at 1), each slice at least ``TUNING["min_tiles"]`` tiles of
+    ``block_k``; 1 with ``TUNING["split_k"]`` off. A function of shapes only: the o projection
+    of the Llama shapes (64 stripes of 4096 columns) takes 2 on an H200's 132."""
+    if not TUNING["split_k"]:
+        return 1
+    most = max(1, k // (block_k * TUNING["min_tiles"]))
+    want = _multiprocessors(device) // max(stripes, 1)
+    return max(1, min(want, most, TUNING["max_split"]))
 
 
 def decode_linear_triton(
@@ -180,24 +242,33 @@ def decode_linear_triton(
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = launch or (plan_swiglu(n, k) if swiglu else plan(n, k))
     grid = triton.cdiv(n, block_n)
+    # SwiGLU's epilogue is not linear in the accumulators: its K is never split.
+    splits = 1 if swiglu else split_k(grid, k, block_k, x.device)
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)  # no slice left empty
+    part = arrive = weight
+    if splits > 1:
+        part = torch.empty(splits * grid * block_n * MAX_ROWS, dtype=torch.float32,
+                           device=x.device)  # fmt: skip
+        arrive = _arrivals(x.device, grid)
     hg = ps = None
     if norm_weight is not None:
         hg = torch.empty_like(y)
         ps = torch.empty(grid, m, dtype=torch.float32, device=x.device)
     dummy = weight
     n_parts = sumsq.shape[0] if sumsq is not None else 1
-    _kernel(interpreting())[(grid,)](
+    _kernel(interpreting())[(grid, splits)](
         x, weight, bias if bias is not None else dummy, y,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy, hg if hg is not None else dummy,
-        ps if ps is not None else dummy, sumsq if sumsq is not None else dummy,
-        m, n, k, n_parts, float(eps),
+        ps if ps is not None else dummy, sumsq if sumsq is not None else dummy, part, arrive,
+        m, n, k, n_parts, float(eps), k_split,
         x.stride(0), weight.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0, hg.stride(0) if hg is not None else 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(n_parts), EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
         RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None, UPCAST=interpreting(),
-        num_warps=warps, num_stages=stages,
+        SPLIT_K=splits, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
