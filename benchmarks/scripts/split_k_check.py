@@ -1,4 +1,4 @@
-"""The decode GEMM's split of K on the GPU: each projection of the Llama shapes that splits,
+"""The decode GEMM's split of K on the GPU: the o projection of the Llama shapes (it splits),
 against the float32 reference and against itself unsplit (same numbers to float32 rounding),
 and both timed as a CUDA graph of 16 calls over distinct weights (more bytes than L2 holds).
 
@@ -8,26 +8,10 @@ and both timed as a CUDA graph of 16 calls over distinct weights (more bytes tha
 from __future__ import annotations
 
 import torch
+from skinny_gemm_probe import CALLS, graph_ms  # this folder: run as a script
 
 from prhs_kernels.gemm import decode_linear_reference
 from prhs_kernels.gemm import triton as gt
-from prhs_kernels.timing import median_ms
-
-CALLS = 16
-
-
-def graph_ms(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(CALLS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(i)
-    return median_ms(g.replay, warmup_ms=10, rep_ms=60) / CALLS
 
 
 def main() -> None:
