@@ -162,14 +162,17 @@ def test_sparse_decode_writes_strided_out_buffers(monkeypatch, make_kv):
 
 
 def _count_merge_launches(monkeypatch, sd) -> list:
-    """The grids the sparse kernel's merge is launched on, from now on (the launches go ahead)."""
+    """The sparse kernel's merge launches from now on, each ``(grid, args)`` (they go ahead)."""
     launches = []
     split_kernel, merge_kernel = sd._kernels(True)
 
     class Counted:
         def __getitem__(self, grid):
-            launches.append(grid)
-            return merge_kernel[grid]
+            def launch(*args, **kwargs):
+                launches.append((grid, args))
+                return merge_kernel[grid](*args, **kwargs)
+
+            return launch
 
     monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Counted()))
     return launches
@@ -207,18 +210,7 @@ def test_sparse_decode_slices_cut_each_rows_count_not_the_width(monkeypatch, mak
 
     monkeypatch.setitem(sd.TUNING, "waves", 2)
     monkeypatch.setitem(sd.TUNING, "merge_last", 0)
-    partials = []
-    split_kernel, merge_kernel = sd._kernels(True)
-
-    class Seen:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                partials.append(args[2].clone())  # PL [B, Hq, S]: each slice's sum
-                return merge_kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(sd, "_kernels", lambda interpret: (split_kernel, Seen()))
+    launches = _count_merge_launches(monkeypatch, sd)
     data = make_kv([600, 600], 1, 16, dtype=torch.bfloat16, seed=5)
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(2, 2, 16, generator=gen).bfloat16()
@@ -229,7 +221,8 @@ def test_sparse_decode_slices_cut_each_rows_count_not_the_width(monkeypatch, mak
     got = sparse_decode_attention(q, kv, sel, 0.25)
     _close_attention(got, _reference(monkeypatch, sparse_decode_attention, q, kv, sel, 0.25),
                      torch.bfloat16)  # fmt: skip
-    (part_l,) = partials
+    ((_, args),) = launches
+    part_l = args[2]  # PL [B, Hq, S]: each slice's sum
     assert part_l.shape == (2, 2, 4) and (part_l > 0).all()
 
 

@@ -250,6 +250,8 @@ def decode_linear_triton(
     if splits > 1:
         part = torch.empty(splits * grid * block_n * MAX_ROWS, dtype=torch.float32,
                            device=x.device)  # fmt: skip
+        # The sparse kernel's counters: kernels on one stream run one after the other and each
+        # leaves them at 0, so they can share them.
         arrive = _arrivals(x.device, grid)
     hg = ps = None
     if norm_weight is not None:
