@@ -76,13 +76,18 @@ def _patched(model: torch.nn.Module) -> list[str]:
 
 
 def _spy_epilogues(monkeypatch) -> dict[str, list[dict]]:
-    """Record each call of the three epilogue GEMMs (``decode_linear`` only where it is given a
+    """Record each call of the four epilogue GEMMs (``decode_linear`` only where it is given a
     residual) and run the real ones."""
     import prhs_kernels.gemm as gemm
 
-    calls: dict[str, list[dict]] = {"residual_norm": [], "swiglu": [], "residual": []}
+    calls: dict[str, list[dict]] = {"rms": [], "residual_norm": [], "swiglu": [], "residual": []}
     real_norm, real_swiglu = gemm.decode_linear_residual_norm, gemm.decode_linear_swiglu
-    real_linear = gemm.decode_linear
+    real_linear, real_rms = gemm.decode_linear, gemm.decode_linear_rms
+
+    def rms(x, weight, bias=None, *, eps=1e-6):
+        # (the values too: the fold is undone when the block closes)
+        calls["rms"].append(dict(weight=weight, values=weight.detach().clone(), bias=bias, eps=eps))
+        return real_rms(x, weight, bias, eps=eps)
 
     def residual_norm(x, weight, bias=None, *, residual, norm_weight):
         out = real_norm(x, weight, bias, residual=residual, norm_weight=norm_weight)
@@ -101,6 +106,7 @@ def _spy_epilogues(monkeypatch) -> dict[str, list[dict]]:
     monkeypatch.setattr(gemm, "decode_linear_residual_norm", residual_norm)
     monkeypatch.setattr(gemm, "decode_linear_swiglu", swiglu)
     monkeypatch.setattr(gemm, "decode_linear", linear)
+    monkeypatch.setattr(gemm, "decode_linear_rms", rms)
     return calls
 
 
@@ -117,15 +123,23 @@ def test_fused_layers_compute_what_the_layers_did_and_restore_them(monkeypatch, 
     with fused_layers(model) as n, torch.no_grad():
         assert n == len(layers) == 2
         assert _patched(model) == [
-            name for i in range(n) for name in
-            (f"model.layers.{i}", f"model.layers.{i}.self_attn.o_proj")
+            f"model.layers.{i}{name}" for i in range(n)
+            for name in ("", *(f".self_attn.{p}_proj" for p in "qkvo"))
         ]  # fmt: skip
         assert layers[0].self_attn.o_proj(x) is x  # the layer's first epilogue GEMM projects
         got = model(input_ids=ids).logits
     # One of each epilogue GEMM per layer, each on its own layer's weights.
-    assert [len(c) for c in calls.values()] == [n, n, n]
-    for layer, norm, swiglu, res in zip(layers, *calls.values(), strict=True):
-        mlp = layer.mlp
+    assert [len(c) for c in calls.values()] == [n, n, n, n]
+    per_layer = zip(layers, *calls.values(), strict=True)
+    for i, (layer, rms, norm, swiglu, res) in enumerate(per_layer):
+        mlp, attn = layer.mlp, layer.self_attn
+        # q|k|v: one weight (the three parameters views of it) holding the input norm's weight
+        # folded into its columns, the norm's eps, called on the layer's input itself.
+        qkv = [weights[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        g = weights[f"model.layers.{i}.input_layernorm.weight"]
+        assert rms["weight"].data_ptr() == attn.q_proj.weight.data_ptr()
+        assert torch.equal(rms["values"], torch.cat(qkv) * g) and rms["eps"] == EPS
+        assert (rms["bias"] is not None) == (bias or family == "qwen2")
         assert norm["weight"] is layer.self_attn.o_proj.weight
         assert norm["norm_weight"] is layer.post_attention_layernorm.weight
         h, hg, sumsq = norm["out"]
@@ -150,6 +164,8 @@ def test_fused_layers_compute_what_the_layers_did_and_restore_them(monkeypatch, 
         F.linear(x, layers[0].self_attn.o_proj.weight, layers[0].self_attn.o_proj.bias),
     )
     assert {n: p for n, p in model.named_parameters()}.keys() == weights.keys()
+    for name, p in model.named_parameters():  # the folded q/k/v weights hold theirs again
+        assert torch.equal(p, weights[name]), name
     with torch.no_grad():
         again = model(input_ids=ids).logits
     assert torch.equal(again, want)
@@ -288,9 +304,10 @@ def test_decode_gemms_leave_the_fused_layers_mlps_out_of_fused_projections(monke
     calls = _spy_epilogues(monkeypatch)
     with decode_gemms(model, fuse=True, fuse_layers=True) as rerouted, torch.no_grad():
         for layer in layers:
-            # The layer's forward runs its MLP's GEMMs: fused_projections did not take the MLP
-            # (a second fusion would concatenate gate/up again, a second copy the layer does
-            # not stream) but still fused q/k/v.
+            # The layer's forward runs its MLP's GEMMs and its q/k/v theirs (the input norm
+            # folded in): fused_projections did not take the layer (a second fusion would
+            # concatenate gate/up again, a second copy the layer does not stream, and q/k/v
+            # without the norm).
             assert "forward" in layer.__dict__ and "forward" not in layer.mlp.__dict__
             assert all("forward" in getattr(layer.self_attn, p).__dict__ for p in ("q_proj",
                        "k_proj", "v_proj"))  # fmt: skip
@@ -298,7 +315,7 @@ def test_decode_gemms_leave_the_fused_layers_mlps_out_of_fused_projections(monke
         # GEMMs itself); not o_proj (the identity) nor q/k/v (the fused GEMM's).
         assert rerouted == 3 * len(layers) + 1
         got = model(input_ids=ids).logits
-    assert len(calls["swiglu"]) == len(layers)
+    assert len(calls["swiglu"]) == len(calls["rms"]) == len(layers)
     for layer, swiglu in zip(layers, calls["swiglu"], strict=True):
         mlp = layer.mlp
         assert swiglu["weight"].data_ptr() == mlp.gate_proj.weight.data_ptr()

@@ -14,7 +14,9 @@ from prhs_kernels.gemm import (
     decode_linear_path,
     decode_linear_reference,
     decode_linear_residual_norm,
+    decode_linear_rms,
     decode_linear_swiglu,
+    fold_norm_weight,
 )
 
 
@@ -122,6 +124,36 @@ def test_torch_path_residual_norm_then_swiglu_is_rms_norm_and_the_mlp():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("_torch_path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_rms_of_a_folded_weight_is_rms_norm_then_the_projection(dtype):
+    gen = torch.Generator().manual_seed(4)
+    n, k, eps = 20, 24, 1e-3
+    x = (0.05 * torch.randn(4, 1, k, generator=gen)).to(dtype)  # mean square ~ eps: it counts
+    w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    g = torch.randn(k, generator=gen).to(dtype)
+    folded = fold_norm_weight(w, g)
+    assert folded.dtype == dtype and torch.equal(w, w.clone())  # a new tensor
+    torch.testing.assert_close(folded, (w.float() * g.float()).to(dtype))
+    got = decode_linear_rms(x, folded, b, eps=eps)
+    assert got.shape == (4, 1, n) and got.dtype == dtype
+    want = F.linear(F.rms_norm(x.float(), (k,), g.float(), eps), w.float(), b.float())
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    wrong_eps = decode_linear_rms(x, folded, b, eps=0.0)
+    assert not torch.allclose(got.float(), wrong_eps.float(), **tol)
+
+
+def test_fold_norm_weight_checks_its_shapes():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K\] = \[8\] on cpu"):
+        fold_norm_weight(w, torch.randn(4))
+    with pytest.raises(ValueError, match="norm_weight must have 1 dimension"):
+        fold_norm_weight(w, torch.randn(1, 8))
+    with pytest.raises(ValueError, match="weight must have 2 dimensions"):
+        fold_norm_weight(torch.randn(8), torch.randn(8))
+
+
 def _bad_cases():
     x, w, w2 = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 8)
     nw = torch.randn(4)
@@ -161,7 +193,14 @@ def _bad_cases():
         (w2, {"eps": True}, "eps must be a finite float"),
         (w2, {"eps": torch.tensor(1e-6)}, "eps must be a finite float"),
     ]
+    rms = [
+        ({"eps": -1.0}, "eps must be a finite float >= 0, got -1.0"),
+        ({"eps": float("nan")}, "eps must be a finite float >= 0, got nan"),
+        ({"eps": None}, "eps must be a finite float"),
+    ]
     cases = [(decode_linear, w, kw, m, "linear") for kw, m in linear]
+    cases += [(decode_linear_rms, w, kw, m, "rms") for kw, m in rms]
+    cases += [(decode_linear_rms, torch.randn(4, 7), {}, r"weight's columns \[N, K\]", "rms")]
     cases += [(decode_linear_residual_norm, w, kw, m, "norm") for kw, m in norm]
     cases += [(decode_linear_swiglu, ww, kw, m, "swiglu") for ww, kw, m in swiglu]
     return [

@@ -485,7 +485,7 @@ def fused_projections(
     concatenation (no second copy; the values are unchanged, so the model computes what it
     did, up to the GEMM's summation order). The forwards are restored on exit (the parameters
     stay views: same values). A model whose modules have other names is left alone; one with
-    neither is an error. Modules inside ``exclude`` (:func:`fused_layers`' MLPs) are left
+    neither is an error. Modules inside ``exclude`` (:func:`fused_layers`' layers) are left
     alone."""
     import torch.nn.functional as F
 
@@ -563,12 +563,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None
                          ) -> Callable[..., torch.Tensor]:  # fmt: skip
-    """A Llama-family decoder layer's forward with the work after its attention in three GEMM
-    epilogues: ``h = x + o(attn)`` with the post-attention norm's weight and sums of squares
-    (:func:`~prhs_kernels.gemm.decode_linear_residual_norm`), ``silu(gate) * up`` of the normed
-    ``h`` (:func:`~prhs_kernels.gemm.decode_linear_swiglu`), and ``h + down(...)``
-    (:func:`~prhs_kernels.gemm.decode_linear`'s ``residual``). The attention module (its o
-    projection the identity, see :func:`fused_layers`) returns the heads' output unprojected."""
+    """A Llama-family decoder layer's forward with its norms and the work after its attention
+    in four GEMM epilogues: the attention is called on the layer's input itself (its q|k|v
+    GEMM runs the input norm, :func:`~prhs_kernels.gemm.decode_linear_rms`, see
+    :func:`fused_layers`), then ``h = x + o(attn)`` with the post-attention norm's weight and
+    sums of squares (:func:`~prhs_kernels.gemm.decode_linear_residual_norm`), ``silu(gate) *
+    up`` of the normed ``h`` (:func:`~prhs_kernels.gemm.decode_linear_swiglu`), and ``h +
+    down(...)`` (:func:`~prhs_kernels.gemm.decode_linear`'s ``residual``). The attention module
+    (its o projection the identity) returns the heads' output unprojected."""
     import inspect
 
     from prhs_kernels.gemm import decode_linear, decode_linear_residual_norm, decode_linear_swiglu
@@ -576,7 +578,7 @@ def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.
     # The original forward's keyword names after hidden_states, for arguments given by position.
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
     names = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-    attn, norm_in = layer.self_attn, layer.input_layernorm
+    attn = layer.self_attn
     o, down, norm = attn.o_proj, layer.mlp.down_proj, layer.post_attention_layernorm
     eps = float(norm.variance_epsilon)
 
@@ -585,7 +587,7 @@ def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.
             raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} "
                             f"positional arguments, got {len(args) + 1}")  # fmt: skip
         kwargs.update(zip(names, args, strict=False))
-        heads, _ = attn(hidden_states=norm_in(hidden_states), **kwargs)
+        heads, _ = attn(hidden_states=hidden_states, **kwargs)  # q|k|v norm the input
         h, hg, sumsq = decode_linear_residual_norm(
             heads, o.weight, o.bias, residual=hidden_states, norm_weight=norm.weight
         )
@@ -595,44 +597,80 @@ def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.
     return forward
 
 
+def _normed_qkv(attn: Any, norm: Any, stack: contextlib.ExitStack) -> None:
+    """``attn``'s q/k/v projections as one :func:`~prhs_kernels.gemm.decode_linear_rms` GEMM of
+    the un-normed input, ``norm``'s weight folded into the concatenated weight's columns (in
+    place: the three parameters are views of it; an exact copy on the host puts the values
+    back when ``stack`` closes). k and v hand out their slices of q's output
+    (:func:`_fused_qkv_forward`); called on anything else, each runs its own slice of the
+    folded weight, the norm included."""
+    from prhs_kernels.gemm import decode_linear_rms, fold_norm_weight
+
+    lins = [attn.q_proj, attn.k_proj, attn.v_proj]
+    eps = float(norm.variance_epsilon)
+    weight, bias = _concat_into(lins)
+    original = weight.to("cpu", copy=True)
+    weight.copy_(fold_norm_weight(weight, norm.weight.detach()))
+    stack.callback(weight.copy_, original)
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return decode_linear_rms(x, w, b, eps=eps)
+
+    holder = _SharedProjection()
+    splits = [x.out_features for x in lins]
+    for name, lin in zip("qkv", lins, strict=True):
+        old = lin.__dict__.get("forward")
+        stack.callback(_restore_forward, lin, old)
+
+        def own(x: torch.Tensor, lin: Any = lin) -> torch.Tensor:
+            return linear(x, lin.weight, lin.bias)
+
+        lin.forward = _fused_qkv_forward(holder, name, weight, bias, splits, own, linear)
+
+
+def _restore_forward(mod: Any, old: Any) -> None:
+    if old is None:
+        mod.__dict__.pop("forward", None)
+    else:
+        mod.forward = old
+
+
 @contextlib.contextmanager
 def fused_layers(model: Any) -> Iterator[int]:
     """Within the block, each Llama-family decoder layer (:func:`_fusable_layer`:
-    :data:`FUSED_LAYERS`) runs the work after its attention as three of prhs's decode GEMMs
-    (:mod:`prhs_kernels.gemm`) with everything between them in their epilogues: the o
-    projection adds the residual and applies the post-attention RMS norm's weight, writing the
-    sums of squares the norm needs; the gate|up GEMM (gate and up as one weight, no second
-    copy) scales by the norm's ``1 / rms`` and writes ``silu(gate) * up``; the down projection
-    adds the residual. The input norm, the attention (q|k|v as one GEMM when
-    :func:`fused_projections` is entered too, rotary embedding, cache write, prhs's or
-    transformers' attention) are the layer's own. At a decode step's few rows that removes
-    three launches a layer (the post-attention norm, the SiLU·mul and the last residual add)
-    and the ``[rows, 2·intermediate]`` gate|up output. The model computes what it did up to
-    where the norm rounds (:func:`~prhs_kernels.gemm.decode_linear_residual_norm`). Yields the
-    layers fused; other layers are left alone, and a model with none is an error. Restored on
-    exit (the gate/up weights stay views of their concatenation: same values)."""
+    :data:`FUSED_LAYERS`) runs as four of prhs's decode GEMMs (:mod:`prhs_kernels.gemm`) with
+    its norms, activation and residual adds in their prologue-free epilogues: the q|k|v GEMM
+    (one weight, the input norm's weight folded into its columns) scales each row by the
+    input norm's ``1 / rms``, summed from the tiles of the input it loads; the o projection
+    adds the residual and applies the post-attention RMS norm's weight, writing the sums of
+    squares the norm needs; the gate|up GEMM (gate and up as one weight, no second copy)
+    scales by the norm's ``1 / rms`` and writes ``silu(gate) * up``; the down projection adds
+    the residual. The rotary embedding, the cache write and the attention (prhs's or
+    transformers') are the layer's own. At a decode step's few rows that removes four launches
+    a layer (the two norms, the SiLU·mul and the last residual add) and the normed input and
+    ``[rows, 2·intermediate]`` gate|up outputs. The model computes what it did up to where the
+    norms round (:func:`~prhs_kernels.gemm.decode_linear_rms`,
+    :func:`~prhs_kernels.gemm.decode_linear_residual_norm`). Yields the layers fused; other
+    layers are left alone, and a model with none is an error. Within the block the q/k/v
+    weights hold the input norm's weight folded in; on exit their values are copied back
+    (from a host copy) and the forwards restored (the q/k/v and gate/up weights stay views of
+    their concatenations: same values)."""
     layers = [m for m in model.modules() if _fusable_layer(m)]
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no decoder layer to fuse (one of {FUSED_LAYERS} with "
             f"{FUSED_NORMS} norms and a SiLU-gated MLP)"
         )
-    patched: list[tuple[Any, Any]] = []
-    try:
+    with contextlib.ExitStack() as stack:
         for layer in layers:
             mlp, o = layer.mlp, layer.self_attn.o_proj
+            _normed_qkv(layer.self_attn, layer.input_layernorm, stack)
             gate_up, gate_up_bias = _concat_into([mlp.gate_proj, mlp.up_proj])
-            patched.append((o, o.__dict__.get("forward")))
+            stack.callback(_restore_forward, o, o.__dict__.get("forward"))
             o.forward = _identity  # the layer's forward projects the heads, in an epilogue GEMM
-            patched.append((layer, layer.__dict__.get("forward")))
+            stack.callback(_restore_forward, layer, layer.__dict__.get("forward"))
             layer.forward = _fused_layer_forward(layer, gate_up, gate_up_bias)
         yield len(layers)
-    finally:
-        for mod, old in reversed(patched):
-            if old is None:
-                mod.__dict__.pop("forward", None)
-            else:
-                mod.forward = old
 
 
 #: What ``--gemm`` may name: cuBLAS (``F.linear``) or prhs's decode GEMM.
@@ -654,9 +692,7 @@ def decode_gemms(model: Any, fuse: bool = False, fuse_layers: bool = False) -> I
         whole: list[Any] = []
         if fuse_layers:
             stack.enter_context(fused_layers(model))
-            whole = [
-                m.mlp for m in model.modules() if "forward" in m.__dict__ and _fusable_layer(m)
-            ]
+            whole = [m for m in model.modules() if "forward" in m.__dict__ and _fusable_layer(m)]
         if fuse or fuse_layers:
             stack.enter_context(fused_projections(model, linear=decode_linear, exclude=whole))
         patched = []  # the Linears whose forward this block set (fused ones keep theirs)

@@ -11,12 +11,15 @@ from prhs_kernels import paths
 from prhs_kernels.gemm import (
     MAX_ROWS,
     _residual_norm_reference,
+    _rms_reference,
     _swiglu_reference,
     decode_linear,
     decode_linear_path,
     decode_linear_reference,
     decode_linear_residual_norm,
+    decode_linear_rms,
     decode_linear_swiglu,
+    fold_norm_weight,
 )
 from prhs_kernels.gemm import triton as gemm_triton
 
@@ -153,6 +156,35 @@ def test_swiglu_is_silu_gate_times_up(lead, n, k, bias, scaled):
     torch.testing.assert_close(got.float(), F.silu(gate) * up, **BF16_TOL)
 
 
+@pytest.mark.parametrize(("lead", "n", "k", "bias"), EPILOGUE_SHAPES)
+def test_rms_scales_each_row_by_its_own_rms_norm(lead, n, k, bias):
+    gen, x, w, b = _draw(lead, n, k, bias)
+    x = (x.float() * torch.rand(*lead, 1, generator=gen) * 4).to(x.dtype)  # rows of other norms
+    got = decode_linear_rms(x, w, b, eps=1e-3)
+    assert got.shape == (*lead, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, _rms_reference(x, w, b, 1e-3), **BF16_TOL)
+    # The reference is the definition: x Wᵀ / sqrt(mean(x²) + eps) + b, in float32 -- the sum
+    # of squares over all of K (a partial tile of K included), the eps inside the root.
+    xf = x.float()
+    want = F.linear(xf, w.float()) / (xf.pow(2).mean(-1, keepdim=True) + 1e-3).sqrt()
+    want = want + (0 if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, **BF16_TOL)
+    assert not torch.allclose(got, decode_linear(x, w, b), **BF16_TOL)  # it did scale
+
+
+@pytest.mark.parametrize(("lead", "n", "k"), [((3,), 200, 70), ((2, 1), 96, 128), ((5,), 64, 300)])
+def test_rms_of_a_folded_weight_is_the_layers_input_norm_and_projection(lead, n, k):
+    """``q|k|v(rms_norm(x) ⊙ g)`` as one GEMM of ``x`` over ``W ⊙ g``, against float32."""
+    gen = torch.Generator().manual_seed(n + k)
+    eps = 1e-5
+    x = (3 * torch.randn(*lead, k, generator=gen)).to(torch.bfloat16)
+    g = (1 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    got = decode_linear_rms(x, fold_norm_weight(w, g), eps=eps)
+    want = F.linear(F.rms_norm(x.float(), (k,), g.float(), eps), w.float())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_strided_bias_and_partial_sums_are_read_as_their_values():
     gen, x, w, _ = _draw((3,), 70, 200, False, weight_rows=140)
     b = torch.randn(280, generator=gen).to(x.dtype)[::2]  # a bias of stride 2
@@ -207,10 +239,13 @@ def test_the_epilogue_ops_compile_as_one_opaque_call_each():
     w_d = (torch.randn(n, f, generator=gen) / f**0.5).to(bf)
     b_d = torch.randn(n, generator=gen).to(bf)
 
+    w_i = (torch.randn(k, n, generator=gen) / n**0.5).to(bf)  # the next layer's input GEMM
+
     def tail(o, res):
         h, hg, sumsq = decode_linear_residual_norm(o, w_o, residual=res, norm_weight=g)
         m = decode_linear_swiglu(hg, w_gu, sumsq=sumsq, eps=1e-5)
-        return decode_linear(m, w_d, b_d, residual=h), sumsq
+        out = decode_linear(m, w_d, b_d, residual=h)
+        return decode_linear_rms(out, w_i, eps=1e-5), sumsq
 
     graphs = []
 
@@ -228,6 +263,7 @@ def test_the_epilogue_ops_compile_as_one_opaque_call_each():
     assert prhs == [
         "prhs.decode_linear.default",
         "prhs.decode_linear_residual_norm.default",
+        "prhs.decode_linear_rms.default",
         "prhs.decode_linear_swiglu.default",
     ], called
     want, want_sumsq = tail(o, res)
@@ -285,6 +321,11 @@ def test_split_k_sums_its_slices_before_every_epilogue(monkeypatch):
     torch.testing.assert_close(runs[True][0], decode_linear_reference(x, w, b))
     (counters,) = sd._ARRIVALS.values()
     assert not counters.any()
+    # The input norm's scale needs the whole row of x: that GEMM is never split.
+    monkeypatch.setitem(gemm_triton.TUNING, "split_k", True)
+    got = decode_linear_rms(x, w, b, eps=1e-6)
+    assert grids[-1][1] == 1
+    torch.testing.assert_close(got, _rms_reference(x, w, b, 1e-6), **BF16_TOL)
 
 
 def test_split_k_is_a_static_function_of_the_shapes(monkeypatch):

@@ -16,9 +16,14 @@ applied, the sums of squares over each program's columns); and :func:`decode_lin
 an MLP's gate and up projections as one weight stream that scales each row by the norm's
 ``1 / rms`` (the second half) and writes ``silu(gate) * up``. :func:`decode_linear`'s
 ``residual`` adds the residual stream to a projection's output (the MLP's down projection).
+And :func:`decode_linear_rms` runs the RMS norm *before* a projection in the same pass: the
+norm's weight folded into the projection's columns (:func:`fold_norm_weight`), each row's
+``1 / rms`` summed from the tiles of ``x`` the weight stream loads anyway (a decoder layer's
+input norm and its q|k|v projection: no norm launch).
 
 The Triton paths are the custom ops ``torch.ops.prhs.decode_linear``,
-``prhs::decode_linear_residual_norm`` and ``prhs::decode_linear_swiglu`` (``torch.library``), so
+``prhs::decode_linear_residual_norm``, ``prhs::decode_linear_swiglu`` and
+``prhs::decode_linear_rms`` (``torch.library``), so
 a ``torch.compile``'d model calls each as one opaque op, and a CUDA graph captures each as one
 launch.
 """
@@ -40,7 +45,9 @@ __all__ = [
     "decode_linear_path",
     "decode_linear_reference",
     "decode_linear_residual_norm",
+    "decode_linear_rms",
     "decode_linear_swiglu",
+    "fold_norm_weight",
 ]
 
 MAX_ROWS = 16
@@ -89,6 +96,16 @@ def _swiglu_reference(
         y = y + bias.float()
     gate, up = y.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def _rms_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    xf = x.float()
+    y = F.linear(xf, weight.float()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 @torch.library.custom_op("prhs::decode_linear", mutates_args=())
@@ -166,6 +183,20 @@ def _(
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
+@torch.library.custom_op("prhs::decode_linear_rms", mutates_args=())
+def _rms_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    from prhs_kernels.gemm.triton import decode_linear_triton
+
+    return decode_linear_triton(x, weight, bias, rms_in=True, eps=eps)[0]
+
+
+@_rms_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def decode_linear_path(rows: int, weight: torch.Tensor) -> str:
     """The path :func:`decode_linear` takes for ``rows`` rows of input to ``weight``:
     ``"triton"``, ``"triton-interpreter"`` or ``"torch"``."""
@@ -217,6 +248,16 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` as ``[rows, last]`` with a contiguous last dim (a view where it already is)."""
     t2 = t.reshape(rows, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check_eps(eps: object) -> None:
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
 def decode_linear(
@@ -317,16 +358,53 @@ def decode_linear_swiglu(
                 f"partial sums decode_linear_residual_norm returns), got {sumsq.dtype} "
                 f"{list(sumsq.shape)} on {sumsq.device}"
             )
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, (int, float))
-        or not math.isfinite(eps)
-        or eps < 0
-    ):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    _check_eps(eps)
     path = decode_linear_path(rows, weight)
     if path == "torch" or rows == 0:
         return _swiglu_reference(x, weight, bias, sumsq, float(eps))
     announce("decode_linear", path, x.device)
     y = _swiglu_op(_rows(x, rows), weight, _dense(bias), _dense(sumsq), float(eps))
     return y.view(*x.shape[:-1], two_n // 2)
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` with column ``k`` multiplied by ``norm_weight[k]`` (in float32, rounded
+    once to ``weight``'s dtype): the weight :func:`decode_linear_rms` takes for a projection of
+    ``rms_norm(x) ⊙ norm_weight``. A new tensor; ``weight`` is unchanged."""
+    check_float_tensor("weight", weight, ndim=2)
+    check_float_tensor("norm_weight", norm_weight, ndim=1)
+    if norm_weight.shape[0] != weight.shape[1] or norm_weight.device != weight.device:
+        raise ValueError(
+            f"norm_weight must be [K] = [{weight.shape[1]}] on {weight.device} (weight's "
+            f"columns), got {list(norm_weight.shape)} on {norm_weight.device}"
+        )
+    return (weight.float() * norm_weight.float()).to(weight.dtype)
+
+
+def decode_linear_rms(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """An RMS norm and the projection after it, in one weight stream: ``y = s · x Wᵀ (+ b)``
+    ``[..., N]`` with ``s = 1 / sqrt(mean(x²) + eps)`` over each row of ``x [..., K]``, in
+    float32, rounded once. ``weight`` holds the norm's weight folded into its columns
+    (:func:`fold_norm_weight`), so ``y`` is the projection of ``rms_norm(x) ⊙ g`` (a
+    Llama-family layer's ``q|k|v(input_layernorm(x))``). The kernel sums each row's squares
+    from the tiles of ``x`` its weight stream loads, and scales the accumulator once: the norm
+    costs no launch, and its output is never written.
+
+    It differs from the unfused layer by where it rounds: that layer rounds ``x / rms(x)`` to
+    ``x``'s dtype, multiplies by ``g`` (rounded) and then projects; here ``W ⊙ g`` is rounded
+    once, and ``1 / rms`` scales a float32 sum."""
+    _check(x, weight, bias)
+    _check_eps(eps)
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    path = decode_linear_path(rows, weight)
+    if path == "torch" or rows == 0:
+        return _rms_reference(x, weight, bias, float(eps))
+    announce("decode_linear", path, x.device)
+    return _rms_op(_rows(x, rows), weight, _dense(bias), float(eps)).view(*x.shape[:-1], n)

@@ -72,6 +72,7 @@ def _decode_linear_kernel(
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    RMS_IN: tl.constexpr,
     RESIDUAL: tl.constexpr,
     NORM_OUT: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -91,6 +92,7 @@ def _decode_linear_kernel(
     x_ptr = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # xᵀ: [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)  # RMS_IN: each row's sum of x², from the tiles of x
     # The loop only loads and multiplies: a tile changed on its way to the MMA would go through
     # registers and back to shared memory, serialising the weight stream.
     # SPLIT_K > 1: this program streams columns [split·k_split, (split+1)·k_split) only.
@@ -108,6 +110,9 @@ def _decode_linear_kernel(
             w_ok = n_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptr + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         w = tl.load(w_ptr + k0, mask=w_ok, other=0.0)
+        if RMS_IN:  # x's tile, not the weight's: the weight stream is left as it is
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=0)
         if SWIGLU:
             wu = tl.load(u_ptr + k0, mask=w_ok, other=0.0)
         if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
@@ -146,6 +151,8 @@ def _decode_linear_kernel(
         scale = tl.rsqrt(tl.sum(sums, axis=0) / K + eps)
         acc = acc * scale[None, :]
         acc_u = acc_u * scale[None, :]
+    if RMS_IN:  # the RMS norm of x itself: its weight is folded into the weight's columns
+        acc = acc * tl.rsqrt(sq / K + eps)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if SWIGLU:
@@ -224,6 +231,7 @@ def decode_linear_triton(
     swiglu: bool = False,
     sumsq: torch.Tensor | None = None,
     eps: float = 0.0,
+    rms_in: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The launcher (inputs already checked): ``x [M, K]`` (last dim contiguous, ``M ≤
     MAX_ROWS``), ``weight [N, K]`` contiguous rows, ``bias [N]`` or None; returns ``(y, hg,
@@ -236,14 +244,17 @@ def decode_linear_triton(
     rows) and ``y = silu(gate) * up`` is ``[M, N']``; ``residual [M, N]`` -- added; and
     ``norm_weight [N]`` -- also write ``hg = y ⊙ norm_weight`` ``[M, N]`` and the sums of ``y²``
     over each program's columns, ``[cdiv(N, BLOCK_N), M]`` float32 (the next RMS norm's
-    input and its partial sums, for a ``sumsq`` GEMM)."""
+    input and its partial sums, for a ``sumsq`` GEMM); ``rms_in`` -- scale each row by ``1 /
+    sqrt(mean(x²) + eps)`` of its own row of ``x``, summed from the tiles of ``x`` the loop
+    loads (``x`` is an RMS norm's input, the norm's weight folded into ``weight``'s columns)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = launch or (plan_swiglu(n, k) if swiglu else plan(n, k))
     grid = triton.cdiv(n, block_n)
-    # SwiGLU's epilogue is not linear in the accumulators: its K is never split.
-    splits = 1 if swiglu else split_k(grid, k, block_k, x.device)
+    # SwiGLU's epilogue is not linear in the accumulators, and rms_in's scale needs all of a
+    # row's x: their K is never split.
+    splits = 1 if swiglu or rms_in else split_k(grid, k, block_k, x.device)
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)  # no slice left empty
     part = arrive = weight
@@ -270,7 +281,7 @@ def decode_linear_triton(
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(n_parts), EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
-        RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None, UPCAST=interpreting(),
-        SPLIT_K=splits, num_warps=warps, num_stages=stages,
+        RMS_IN=rms_in, RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None,
+        UPCAST=interpreting(), SPLIT_K=splits, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
