@@ -6,6 +6,9 @@
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
+#   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
+#         the rotation, the cache write and the length's add as launches of their own)
+#   rlN_K_W_S the rotary q|k|v GEMM's launch (prhs_kernels.gemm.triton.TUNING_ROPE["launch"])
 #   atC   the packages as of commit C, from ab/C/ (untracked: extract it first with
 #         mkdir -p ab/C && git archive C packages/*/src | tar -x -C ab/C)
 # Usage: PRHS_COMMIT=<sha> [VARIANTS="base ef"] [POINTS="llama2-7b:8:4096:CIS ..."] \
@@ -33,6 +36,10 @@ s.TUNING['merge_last'] = ${knob#ml}" ;;
 s.TUNING['waves'] = ${knob#w}" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
+                norope) knobs="$knobs
+import prhs_eval.throughput as T; T.ROPE_EPILOGUE = False" ;;
+                rl*) knobs="$knobs
+import prhs_kernels.gemm.triton as gt; gt.TUNING_ROPE['launch'] = tuple(int(v) for v in '${knob#rl}'.split('_'))" ;;
                 at*) tree="ab/${knob#at}" ;;
                 rbref) knobs="$knobs
 import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R

@@ -80,9 +80,16 @@ def _spy_epilogues(monkeypatch) -> dict[str, list[dict]]:
     residual) and run the real ones."""
     import prhs_kernels.gemm as gemm
 
-    calls: dict[str, list[dict]] = {"rms": [], "residual_norm": [], "swiglu": [], "residual": []}
+    calls: dict[str, list[dict]] = {"rms": [], "residual_norm": [], "swiglu": [], "residual": [],
+                                    "rope": []}  # fmt: skip
     real_norm, real_swiglu = gemm.decode_linear_residual_norm, gemm.decode_linear_swiglu
     real_linear, real_rms = gemm.decode_linear, gemm.decode_linear_rms
+    real_rope = gemm.decode_linear_rope
+
+    def rope(x, weight, bias=None, **kw):
+        calls["rope"].append(dict(weight=weight, bias=bias, position=kw["position"].clone(),
+                                  k_cache=kw["k_cache"], eps=kw["eps"]))  # fmt: skip
+        return real_rope(x, weight, bias, **kw)
 
     def rms(x, weight, bias=None, *, eps=1e-6):
         # (the values too: the fold is undone when the block closes)
@@ -107,6 +114,7 @@ def _spy_epilogues(monkeypatch) -> dict[str, list[dict]]:
     monkeypatch.setattr(gemm, "decode_linear_swiglu", swiglu)
     monkeypatch.setattr(gemm, "decode_linear", linear)
     monkeypatch.setattr(gemm, "decode_linear_rms", rms)
+    monkeypatch.setattr(gemm, "decode_linear_rope", rope)
     return calls
 
 
@@ -124,13 +132,14 @@ def test_fused_layers_compute_what_the_layers_did_and_restore_them(monkeypatch, 
         assert n == len(layers) == 2
         assert _patched(model) == [
             f"model.layers.{i}{name}" for i in range(n)
-            for name in ("", *(f".self_attn.{p}_proj" for p in "qkvo"))
+            for name in ("", ".self_attn", *(f".self_attn.{p}_proj" for p in "qkvo"))
         ]  # fmt: skip
         assert layers[0].self_attn.o_proj(x) is x  # the layer's first epilogue GEMM projects
         got = model(input_ids=ids).logits
-    # One of each epilogue GEMM per layer, each on its own layer's weights.
-    assert [len(c) for c in calls.values()] == [n, n, n, n]
-    per_layer = zip(layers, *calls.values(), strict=True)
+    # One of each epilogue GEMM per layer, each on its own layer's weights (a prompt, into no
+    # static cache: the q|k|v GEMM without the rotary epilogue).
+    assert [len(c) for c in calls.values()] == [n, n, n, n, 0]
+    per_layer = zip(layers, *list(calls.values())[:4], strict=True)
     for i, (layer, rms, norm, swiglu, res) in enumerate(per_layer):
         mlp, attn = layer.mlp, layer.self_attn
         # q|k|v: one weight (the three parameters views of it) holding the input norm's weight
@@ -197,6 +206,7 @@ def test_fused_layers_in_bfloat16_stay_as_close_to_float32_as_the_unfused_layers
 def test_fused_layers_decode_like_the_model_through_the_table5_gemms(monkeypatch):
     """What ``table5 --gemm triton --fuse-layers`` runs: :func:`decode_gemms` with both
     fusions, a static cache and prhs's attention, a decode step at a time."""
+    import prhs_eval.throughput as throughput
     from prhs_eval.integration import enable
     from prhs_eval.throughput import _fill, _static_cache
 
@@ -205,6 +215,9 @@ def test_fused_layers_decode_like_the_model_through_the_table5_gemms(monkeypatch
 
     def decode(steps: int = 3) -> torch.Tensor:
         _fill(cache, 40, 0)
+        for layer in cache.layers:  # a written row shows up: not what _fill drew
+            layer.keys[:, :, 40:] = 0.0
+            layer.values[:, :, 40:] = 0.0
         rt = enable(model, "prhs", max_seq_len=64, checked=False, budget=16, block_size=8)
         rt.attach(cache, 2)
         tokens, out = torch.tensor([[1], [2]]), []
@@ -216,12 +229,30 @@ def test_fused_layers_decode_like_the_model_through_the_table5_gemms(monkeypatch
         return torch.stack(out)
 
     want = decode()
+    want_kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     calls = _spy_epilogues(monkeypatch)
-    with decode_gemms(model, fuse=True, fuse_layers=True):
-        got = decode()
-    assert len(calls["swiglu"]) == 3 * 2  # every step, every layer
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for rope in (False, True):
+        calls["swiglu"].clear()
+        monkeypatch.setattr(throughput, "ROPE_EPILOGUE", rope)  # what fused_layers defaults to
+        with decode_gemms(model, fuse=True, fuse_layers=True):
+            got = decode()
+        assert len(calls["swiglu"]) == 3 * 2  # every step, every layer
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        # The rotated keys and the values went to the rows the unfused layers wrote them to,
+        # each layer's length raised once a step.
+        for layer, (keys, values) in zip(cache.layers, want_kv, strict=True):
+            torch.testing.assert_close(layer.keys, keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.values, values, rtol=1e-4, atol=1e-5)
+            assert int(layer.cumulative_length) == 43
+    # With the rotary epilogue, every decode step's q|k|v GEMM of each layer wrote its cache at
+    # the length before the step, through its own layer's folded weight.
+    rows = calls["rope"]
+    assert [int(c["position"]) for c in rows] == [40, 40, 41, 41, 42, 42]
+    layers = list(model.model.layers) * 3
+    for c, layer, kv in zip(rows, layers, list(cache.layers) * 3, strict=True):
+        assert c["weight"].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert c["k_cache"] is kv.keys and c["eps"] == layer.input_layernorm.variance_epsilon
     assert _patched(model) == []
     assert torch.equal(decode(), want)
 

@@ -15,6 +15,7 @@ from prhs_kernels.gemm import (
     decode_linear_reference,
     decode_linear_residual_norm,
     decode_linear_rms,
+    decode_linear_rope,
     decode_linear_swiglu,
     fold_norm_weight,
 )
@@ -219,3 +220,58 @@ def test_swiglu_bias_is_both_halves():
     x, w = torch.randn(3, 8), torch.randn(6, 8)
     with pytest.raises(ValueError, match=r"bias must be \[N\] = \[6\], got \[3\]"):
         decode_linear_swiglu(x, w, torch.randn(3))
+
+
+def _rope_inputs(b=2, h_q=4, h_kv=2, d=8, k=16, t=6):
+    gen = torch.Generator().manual_seed(b + d + k)
+    x = torch.randn(b, 1, k, generator=gen)
+    w = torch.randn((h_q + 2 * h_kv) * d, k, generator=gen)
+    angles = torch.rand(b, 1, d // 2, generator=gen) * 6
+    emb = torch.cat([angles, angles], dim=-1)
+    kc, vc = torch.randn(b, h_kv, t, d, generator=gen), torch.randn(b, h_kv, t, d, generator=gen)
+    return dict(x=x, weight=w, cos=emb.cos(), sin=emb.sin(), k_cache=kc, v_cache=vc,
+                position=torch.tensor(3))  # fmt: skip
+
+
+def test_torch_path_rope_is_the_projection_rotated_and_written_to_the_caches(monkeypatch):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = _rope_inputs()
+    kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+    q = decode_linear_rope(a.pop("x"), **a)
+    x = _rope_inputs()["x"]
+    y = F.linear(x, a["weight"]).view(2, 1, -1, 8).transpose(1, 2)
+    q_want, k_want = apply_rotary_pos_emb(y[:, :4], y[:, 4:6], a["cos"], a["sin"])
+    torch.testing.assert_close(q, q_want.transpose(1, 2).reshape(2, 1, 32))
+    kc[:, :, 3:4], vc[:, :, 3:4] = k_want, y[:, 6:]
+    torch.testing.assert_close(a["k_cache"], kc)
+    torch.testing.assert_close(a["v_cache"], vc)
+    assert int(a["position"]) == 4
+
+
+_ROPE_BAD = [
+    (dict(x=torch.randn(2, 3, 16)), "one new token per sequence"),
+    (dict(k_cache=torch.randn(2, 2, 6, 8, dtype=torch.float64)), "k_cache must be torch.float32"),
+    (dict(v_cache=torch.randn(2, 2, 7, 8)), "one shape"),
+    (dict(k_cache=torch.randn(3, 2, 6, 8), v_cache=torch.randn(3, 2, 6, 8)), "3 sequences"),
+    (dict(weight=torch.randn(4 * 8, 16)), r"\(Hq \+ 2·Hkv\)·D"),
+    (dict(cos=torch.randn(2, 1, 6)), r"cos must be \[B, D\] = \[2, 8\]"),
+    (dict(sin=torch.randn(3, 8)), r"sin must be \[B, D\]"),
+    (dict(position=torch.tensor(3, dtype=torch.int32)), "one-element int64"),
+    (dict(position=torch.tensor([3, 3])), "one-element int64"),
+    (dict(position=3), "got int"),
+    (dict(eps=-1.0), "eps must be"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), _ROPE_BAD)
+def test_bad_rope_input_is_a_clear_error_and_writes_nothing(change, message):
+    a = _rope_inputs() | change
+    before = [t.clone() for t in (a["k_cache"], a["v_cache"])]
+    pos = a["position"].clone() if isinstance(a["position"], torch.Tensor) else a["position"]
+    with pytest.raises((ValueError, TypeError), match=message):
+        decode_linear_rope(a.pop("x"), **a)
+    assert torch.equal(a["k_cache"], before[0]) and torch.equal(a["v_cache"], before[1])
+    if isinstance(pos, torch.Tensor):
+        assert torch.equal(a["position"], pos)

@@ -597,13 +597,103 @@ def _fused_layer_forward(layer: Any, gate_up: torch.Tensor, gate_up_bias: torch.
     return forward
 
 
-def _normed_qkv(attn: Any, norm: Any, stack: contextlib.ExitStack) -> None:
+#: The attention modules whose decode step :func:`fused_layers` runs as one q|k|v GEMM with the
+#: rotary embedding and the cache write in its epilogue, by class name, and what each passes
+#: the attention function besides the Llama arguments: their forwards are transformers'
+#: ``q|k|v -> apply_rotary_pos_emb -> cache.update -> attention -> o_proj``.
+ROPE_ATTENTION: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "LlamaAttention": lambda attn: {},
+    "Qwen2Attention": lambda attn: {"sliding_window": attn.sliding_window},
+    "MistralAttention": lambda attn: {
+        "sliding_window": getattr(attn.config, "sliding_window", None)
+    },
+}
+#: Whether :func:`fused_layers` runs the rotary epilogue (:func:`_rope_attention_forward`) where
+#: it can; module-level so that a benchmark can A/B it.
+ROPE_EPILOGUE = True
+
+
+def _static_layer(cache: Any, index: int, rows: int, dim: int, dtype: torch.dtype) -> Any:
+    """The cache's layer ``index`` where the rotary epilogue can write it: a plain
+    ``StaticLayer`` (no sliding window), already allocated for ``rows`` sequences of heads of
+    ``dim`` in ``dtype``, with its length a device tensor, in a cache that does not offload;
+    else None. Reads nothing on the device."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or getattr(cache, "offloading", False) or index >= len(layers):
+        return None
+    layer = layers[index]
+    if type(layer) is not StaticLayer or not getattr(layer, "is_initialized", False):
+        return None
+    keys, length = layer.keys, layer.cumulative_length
+    if (keys.shape[0] != rows or keys.shape[-1] != dim or keys.dtype != dtype
+            or layer.values.shape != keys.shape or not isinstance(length, torch.Tensor)
+            or length.dtype != torch.int64 or length.device != keys.device):  # fmt: skip
+        return None
+    return layer
+
+
+def _rope_attention_forward(attn: Any, weight: torch.Tensor, bias: torch.Tensor | None,
+                            eps: float, fallback: Callable[..., Any]) -> Callable[..., Any]:  # fmt: skip
+    """``attn``'s forward (a :data:`ROPE_ATTENTION` class) where a decode step's q|k|v
+    projection, input norm, rotary embedding and cache write are one
+    :func:`~prhs_kernels.gemm.decode_linear_rope` launch on ``weight`` (the input norm's
+    weight folded in): one new token per sequence into a plain static cache
+    (:func:`_static_layer`), whose length the kernel also advances as ``StaticLayer.update``
+    does. Anything else -- a prompt, another cache, cos/sin of another width -- runs
+    ``fallback`` (the module's forward with the folded q/k/v GEMM). Outside ``torch.compile``'s
+    tracing: the op writes the cache in place, and the attention after it breaks the graph
+    anyway."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from prhs_kernels.gemm import decode_linear_rope
+
+    dim = attn.head_dim
+    extra = ROPE_ATTENTION[type(attn).__name__]
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+
+    @torch.compiler.disable(reason="writes the KV cache in place, before prhs's attention")
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        rows, length = hidden_states.shape[:2]
+        layer = None
+        if length == 1 and position_embeddings is not None:
+            cos, sin = position_embeddings
+            if cos.shape[-1] == dim and cos.numel() == sin.numel() in (dim, rows * dim):
+                layer = _static_layer(past_key_values, attn.layer_idx, rows, dim,
+                                      hidden_states.dtype)  # fmt: skip
+        if layer is None:
+            return fallback(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                            attention_mask=attention_mask, past_key_values=past_key_values,
+                            **kwargs)  # fmt: skip
+        q = decode_linear_rope(
+            hidden_states, weight, bias, cos=cos, sin=sin, k_cache=layer.keys,
+            v_cache=layer.values, position=layer.cumulative_length, eps=eps,
+        )  # fmt: skip
+        query = q.view(rows, 1, -1, dim).transpose(1, 2)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+        out, weights = interface(
+            attn, query, layer.keys, layer.values, attention_mask,
+            dropout=0.0 if not attn.training else attn.attention_dropout,
+            scaling=attn.scaling, **extra(attn), **kwargs,
+        )  # fmt: skip
+        out = out.reshape(rows, length, -1).contiguous()
+        return attn.o_proj(out), weights
+
+    return forward
+
+
+def _normed_qkv(attn: Any, norm: Any, stack: contextlib.ExitStack, rope: bool = False) -> None:
     """``attn``'s q/k/v projections as one :func:`~prhs_kernels.gemm.decode_linear_rms` GEMM of
     the un-normed input, ``norm``'s weight folded into the concatenated weight's columns (in
     place: the three parameters are views of it; an exact copy on the host puts the values
     back when ``stack`` closes). k and v hand out their slices of q's output
     (:func:`_fused_qkv_forward`); called on anything else, each runs its own slice of the
-    folded weight, the norm included."""
+    folded weight, the norm included. ``rope`` (an attention class of :data:`ROPE_ATTENTION`):
+    its decode steps also run the rotary embedding and the cache write in that GEMM
+    (:func:`_rope_attention_forward`)."""
     from prhs_kernels.gemm import decode_linear_rms, fold_norm_weight
 
     lins = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -626,6 +716,9 @@ def _normed_qkv(attn: Any, norm: Any, stack: contextlib.ExitStack) -> None:
             return linear(x, lin.weight, lin.bias)
 
         lin.forward = _fused_qkv_forward(holder, name, weight, bias, splits, own, linear)
+    if rope and type(attn).__name__ in ROPE_ATTENTION:
+        stack.callback(_restore_forward, attn, attn.__dict__.get("forward"))
+        attn.forward = _rope_attention_forward(attn, weight, bias, eps, attn.forward)
 
 
 def _restore_forward(mod: Any, old: Any) -> None:
@@ -636,7 +729,7 @@ def _restore_forward(mod: Any, old: Any) -> None:
 
 
 @contextlib.contextmanager
-def fused_layers(model: Any) -> Iterator[int]:
+def fused_layers(model: Any, rope: bool | None = None) -> Iterator[int]:
     """Within the block, each Llama-family decoder layer (:func:`_fusable_layer`:
     :data:`FUSED_LAYERS`) runs as four of prhs's decode GEMMs (:mod:`prhs_kernels.gemm`) with
     its norms, activation and residual adds in their prologue-free epilogues: the q|k|v GEMM
@@ -645,10 +738,14 @@ def fused_layers(model: Any) -> Iterator[int]:
     adds the residual and applies the post-attention RMS norm's weight, writing the sums of
     squares the norm needs; the gate|up GEMM (gate and up as one weight, no second copy)
     scales by the norm's ``1 / rms`` and writes ``silu(gate) * up``; the down projection adds
-    the residual. The rotary embedding, the cache write and the attention (prhs's or
-    transformers') are the layer's own. At a decode step's few rows that removes four launches
-    a layer (the two norms, the SiLU·mul and the last residual add) and the normed input and
-    ``[rows, 2·intermediate]`` gate|up outputs. The model computes what it did up to where the
+    the residual. With ``rope`` (:data:`ROPE_EPILOGUE` by default), a decode step into a
+    static cache also runs the rotary embedding of q and k and the write of k and v into the
+    cache in the q|k|v GEMM's epilogue (:func:`~prhs_kernels.gemm.decode_linear_rope`; for the
+    attention classes of :data:`ROPE_ATTENTION`); without, they are the layer's own. The
+    attention (prhs's or transformers') is the layer's own. At a decode step's few rows that
+    removes four launches a layer (the two norms, the SiLU·mul and the last residual add), and
+    the rotary epilogue the launches of the rotation, the cache write and the length's add,
+    and the normed input and ``[rows, 2·intermediate]`` gate|up outputs. The model computes what it did up to where the
     norms round (:func:`~prhs_kernels.gemm.decode_linear_rms`,
     :func:`~prhs_kernels.gemm.decode_linear_residual_norm`). Yields the layers fused; other
     layers are left alone, and a model with none is an error. Within the block the q/k/v
@@ -661,10 +758,11 @@ def fused_layers(model: Any) -> Iterator[int]:
             f"{type(model).__name__} has no decoder layer to fuse (one of {FUSED_LAYERS} with "
             f"{FUSED_NORMS} norms and a SiLU-gated MLP)"
         )
+    rope = ROPE_EPILOGUE if rope is None else rope
     with contextlib.ExitStack() as stack:
         for layer in layers:
             mlp, o = layer.mlp, layer.self_attn.o_proj
-            _normed_qkv(layer.self_attn, layer.input_layernorm, stack)
+            _normed_qkv(layer.self_attn, layer.input_layernorm, stack, rope)
             gate_up, gate_up_bias = _concat_into([mlp.gate_proj, mlp.up_proj])
             stack.callback(_restore_forward, o, o.__dict__.get("forward"))
             o.forward = _identity  # the layer's forward projects the heads, in an epilogue GEMM

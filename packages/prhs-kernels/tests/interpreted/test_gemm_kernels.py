@@ -12,12 +12,14 @@ from prhs_kernels.gemm import (
     MAX_ROWS,
     _residual_norm_reference,
     _rms_reference,
+    _rope_reference,
     _swiglu_reference,
     decode_linear,
     decode_linear_path,
     decode_linear_reference,
     decode_linear_residual_norm,
     decode_linear_rms,
+    decode_linear_rope,
     decode_linear_swiglu,
     fold_norm_weight,
 )
@@ -338,3 +340,137 @@ def test_split_k_is_a_static_function_of_the_shapes(monkeypatch):
     assert gemm_triton.split_k(1, 512, 128, cuda132) == 1  # too few tiles to split
     monkeypatch.setitem(gemm_triton.TUNING, "split_k", False)
     assert gemm_triton.split_k(64, 4096, 128, cuda132) == 1
+
+
+def _rope_case(b, h_q, h_kv, d, k, *, t=12, bias=False, shared_row=False, seed=0):
+    """A q|k|v weight ``[(Hq + 2·Hkv)·D, K]``, inputs ``[B, 1, K]`` of rows of other norms, each
+    sequence's rotation (``[B, 1, D]`` as Llama's rotary module gives it, or one row for all),
+    and random caches ``[B, Hkv, T, D]``."""
+    gen = torch.Generator().manual_seed(seed + 1000 * b + d + k)
+    bf = torch.bfloat16
+    n = (h_q + 2 * h_kv) * d
+    x = (torch.randn(b, 1, k, generator=gen) * torch.rand(b, 1, 1, generator=gen) * 4).to(bf)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(bf)
+    bias_t = torch.randn(n, generator=gen).to(bf) if bias else None
+    angles = torch.rand(1 if shared_row else b, 1, d // 2, generator=gen) * 40
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(bf), emb.sin().to(bf)
+    caches = [torch.randn(b, h_kv, t, d, generator=gen).to(bf) for _ in range(2)]
+    return x, w, bias_t, cos, sin, caches
+
+
+def _rope_definition(x, w, bias, cos, sin, h_kv, d, eps):
+    """What a Llama layer computes, in float32: the input RMS norm (its weight folded into
+    ``w``), the q|k|v projection, and ``x·cos + rotate_half(x)·sin`` on the q and k heads."""
+    b = x.shape[0]
+    xf = x.float().reshape(b, -1)
+    y = F.linear(xf, w.float())
+    if eps is not None:
+        y = y / (xf.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    if bias is not None:
+        y = y + bias.float()
+    heads = y.view(b, -1, d)
+    h_q = heads.shape[1] - 2 * h_kv
+    c = cos.float().reshape(-1, 1, d)
+    s = sin.float().reshape(-1, 1, d)
+
+    def rotate(t):
+        return t * c + torch.cat((-t[..., d // 2 :], t[..., : d // 2]), dim=-1) * s
+
+    return rotate(heads[:, :h_q]), rotate(heads[:, h_q : h_q + h_kv]), heads[:, h_q + h_kv :]
+
+
+@pytest.mark.parametrize(
+    ("b", "h_q", "h_kv", "d", "k", "bias", "eps", "shared_row"),
+    [
+        (3, 4, 2, 32, 96, False, 1e-5, False),  # GQA, a partial tile of K, the input norm
+        (2, 2, 2, 64, 128, True, 1e-3, True),  # MHA, biases, one cos/sin row for all sequences
+        (1, 4, 1, 32, 64, False, None, False),  # one sequence, no norm
+        (MAX_ROWS, 2, 1, 32, 64, True, 1e-6, False),  # every row the kernel takes
+    ],
+)
+def test_rope_gemm_rotates_q_and_k_and_writes_k_and_v_at_the_position(
+    b, h_q, h_kv, d, k, bias, eps, shared_row
+):
+    x, w, bias_t, cos, sin, (kc, vc) = _rope_case(b, h_q, h_kv, d, k, bias=bias,
+                                                  shared_row=shared_row)  # fmt: skip
+    k_before, v_before = kc.clone(), vc.clone()
+    pos = torch.tensor(5)
+    assert decode_linear_path(b, w) == "triton-interpreter"
+    got = decode_linear_rope(x, w, bias_t, cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                             position=pos, eps=eps)  # fmt: skip
+    assert got.shape == (b, 1, h_q * d) and got.dtype == x.dtype
+    assert int(pos) == 6  # advanced once, by the last program
+    assert int(gemm_triton._arrivals(x.device, 1)[0]) == 0  # the counter back at 0
+    q, key, value = _rope_definition(x, w, bias_t, cos, sin, h_kv, d, eps)
+    torch.testing.assert_close(got.float().view(b, h_q, d), q, **BF16_TOL)
+    torch.testing.assert_close(kc[:, :, 5].float(), key, **BF16_TOL)
+    torch.testing.assert_close(vc[:, :, 5].float(), value, **BF16_TOL)
+    # Every other row of the caches is as it was.
+    others = torch.arange(kc.shape[2]) != 5
+    assert torch.equal(kc[:, :, others], k_before[:, :, others])
+    assert torch.equal(vc[:, :, others], v_before[:, :, others])
+    # The float32 reference computes the same, to one rounding.
+    kc2, vc2, pos2 = k_before.clone(), v_before.clone(), torch.tensor(5)
+    cos2 = cos.reshape(-1, d).expand(b, d)
+    sin2 = sin.reshape(-1, d).expand(b, d)
+    want = _rope_reference(x.view(b, k), w, bias_t, cos2, sin2, kc2, vc2, pos2, eps, True)
+    torch.testing.assert_close(got.view(b, -1), want, **BF16_TOL)
+    torch.testing.assert_close(kc, kc2, **BF16_TOL)
+    torch.testing.assert_close(vc, vc2, **BF16_TOL)
+    assert int(pos2) == 6
+
+
+def test_rope_gemm_of_a_folded_weight_is_the_layers_norm_projection_and_rotation():
+    """Through transformers' own ``apply_rotary_pos_emb`` and ``StaticLayer.update``, in float32
+    (the unfused layer's path), against the one bf16 launch."""
+    from transformers.cache_utils import StaticLayer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, h_q, h_kv, d, k, eps = 2, 4, 2, 32, 64, 1e-5
+    x, w, _, cos, sin, (kc, vc) = _rope_case(b, h_q, h_kv, d, k)
+    g = (1 + 0.3 * torch.randn(k, generator=torch.Generator().manual_seed(3))).to(x.dtype)
+    layer = StaticLayer(max_cache_len=kc.shape[2])
+    layer.lazy_initialization(kc.float(), vc.float())
+    layer.keys.copy_(kc.float())
+    layer.values.copy_(vc.float())
+    layer.cumulative_length.fill_(7)
+    y = F.linear(F.rms_norm(x.float(), (k,), g.float(), eps), w.float())
+    q, key, value = y.view(b, 1, -1, d).transpose(1, 2).split([h_q, h_kv, h_kv], dim=1)
+    q, key = apply_rotary_pos_emb(q, key, cos.float(), sin.float())
+    layer.update(key, value)
+    pos = torch.tensor(7)
+    got = decode_linear_rope(x, fold_norm_weight(w, g), cos=cos, sin=sin, k_cache=kc,
+                             v_cache=vc, position=pos, eps=eps)  # fmt: skip
+    torch.testing.assert_close(got.float().view(b, h_q, d), q[:, :, 0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kc.float(), layer.keys, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(vc.float(), layer.values, rtol=2e-2, atol=2e-2)
+    assert int(pos) == int(layer.cumulative_length) == 8
+
+
+def test_rope_gemm_writes_nothing_at_or_past_the_capacity_and_may_leave_the_position():
+    x, w, _, cos, sin, (kc, vc) = _rope_case(2, 2, 1, 32, 64, t=6)
+    k_before, v_before = kc.clone(), vc.clone()
+    pos = torch.tensor(6)
+    q = decode_linear_rope(x, w, cos=cos, sin=sin, k_cache=kc, v_cache=vc, position=pos)
+    assert torch.equal(kc, k_before) and torch.equal(vc, v_before) and int(pos) == 7
+    want, _, _ = _rope_definition(x, w, None, cos, sin, 1, 32, None)
+    torch.testing.assert_close(q.float().view(2, 2, 32), want, **BF16_TOL)  # q all the same
+    pos = torch.tensor(2)
+    decode_linear_rope(x, w, cos=cos, sin=sin, k_cache=kc, v_cache=vc, position=pos,
+                       advance=False)  # fmt: skip
+    assert int(pos) == 2 and not torch.equal(kc[:, :, 2], k_before[:, :, 2])
+
+
+def test_rope_gemm_launches_one_program_per_half_stripe_of_a_head(monkeypatch):
+    """Each program streams BLOCK_N rows of a head's first half and their partners: the grid
+    is the weight's rows over 2·BLOCK_N, BLOCK_N cut to divide D/2."""
+    grids = _grids(monkeypatch)
+    for d, h_q, h_kv in ((32, 4, 2), (64, 2, 2)):
+        x, w, _, cos, sin, (kc, vc) = _rope_case(2, h_q, h_kv, d, 64)
+        decode_linear_rope(x, w, cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                           position=torch.tensor(0))  # fmt: skip
+    block = gemm_triton.TUNING_ROPE["launch"][0]
+    assert grids == [(w_rows // (2 * min(block, d // 2)), 1)
+                     for w_rows, d in ((8 * 32, 32), (6 * 64, 64))]  # fmt: skip
+    assert gemm_triton.plan_rope(0, 0, 32)[0] == 16 and gemm_triton.plan_rope(0, 0, 128)[0] == 32

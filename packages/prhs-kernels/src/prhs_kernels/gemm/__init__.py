@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from prhs_core.checks import check_float_tensor
+from prhs_core.checks import check_float_tensor, shape_str
 from prhs_kernels.paths import announce, kernel_path
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "decode_linear_reference",
     "decode_linear_residual_norm",
     "decode_linear_rms",
+    "decode_linear_rope",
     "decode_linear_swiglu",
     "fold_norm_weight",
 ]
@@ -195,6 +196,85 @@ def _rms_op(
 @_rms_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _rope_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: torch.Tensor,
+    eps: float | None,
+    advance: bool,
+) -> torch.Tensor:
+    """:func:`decode_linear_rope` in float32 (rounded once): ``x [M, K]``, ``cos``/``sin``
+    ``[M, D]``; writes the caches and ``position`` in place, returns the query ``[M, Hq·D]``."""
+    m = x.shape[0]
+    _, h_kv, t, d = k_cache.shape
+    xf = x.float()
+    y = F.linear(xf, weight.float())
+    if eps is not None:
+        y = y * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if bias is not None:
+        y = y + bias.float()
+    y = y.view(m, -1, d)
+    h_q = y.shape[1] - 2 * h_kv
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    rotated = y[:, : h_q + h_kv]
+    half = torch.cat((-rotated[..., d // 2 :], rotated[..., : d // 2]), dim=-1)
+    rotated = rotated * c + half * s
+    q, k, v = rotated[:, :h_q], rotated[:, h_q:], y[:, h_q + h_kv :]
+    # Row ``position`` of every (sequence, head); nothing at or past the capacity.
+    at = position.view(1).clamp(max=t - 1)
+    fits = (position.view(1) < t).view(1, 1, 1, 1)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        old = cache.index_select(2, at)
+        cache.index_copy_(2, at, torch.where(fits, new.unsqueeze(2).to(cache.dtype), old))
+    if advance:
+        position.add_(1)
+    return q.reshape(m, h_q * d).to(x.dtype)
+
+
+@torch.library.custom_op(
+    "prhs::decode_linear_rope", mutates_args=("k_cache", "v_cache", "position")
+)
+def _rope_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: torch.Tensor,
+    eps: float | None,
+    advance: bool,
+) -> torch.Tensor:
+    from prhs_kernels.gemm.triton import Rope, decode_linear_triton
+
+    rope = Rope(cos, sin, k_cache, v_cache, position, advance)
+    rms = eps is not None
+    return decode_linear_triton(x, weight, bias, rms_in=rms, eps=eps or 0.0, rope=rope)[0]
+
+
+@_rope_op.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: torch.Tensor,
+    eps: float | None,
+    advance: bool,
+) -> torch.Tensor:
+    _, h_kv, _, d = k_cache.shape
+    return x.new_empty(x.shape[0], weight.shape[0] - 2 * h_kv * d)
 
 
 def decode_linear_path(rows: int, weight: torch.Tensor) -> str:
@@ -408,3 +488,104 @@ def decode_linear_rms(
         return _rms_reference(x, weight, bias, float(eps))
     announce("decode_linear", path, x.device)
     return _rms_op(_rows(x, rows), weight, _dense(bias), float(eps)).view(*x.shape[:-1], n)
+
+
+def decode_linear_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: torch.Tensor,
+    eps: float | None = None,
+    advance: bool = True,
+) -> torch.Tensor:
+    """A decode step's q|k|v projection, rotary embedding and KV-cache write, in one weight
+    stream. ``x [B, 1, K]`` (or ``[B, K]``) holds one new token per sequence; ``weight [N, K]``
+    is the q, k and v projections stacked (``N = (Hq + 2·Hkv)·D``: ``Hq`` query heads, then
+    ``Hkv`` key and ``Hkv`` value heads of ``D`` columns; ``bias [N]`` likewise);
+    ``cos``/``sin`` (``[B, D]``, or ``[B, 1, D]`` as a rotary embedding module returns them;
+    one row of ``D`` for all) the rotation of each sequence's position; ``k_cache``/``v_cache`` ``[B, Hkv, T, D]`` the
+    layer's caches (a static cache's ``keys``/``values``), written at row ``position`` (a
+    one-element int64 tensor on the device: a static cache layer's ``cumulative_length``),
+    which ``advance`` then raises by one -- all on the device, nothing read on the host.
+
+    The query and key heads are rotated as Llama-family models do (``x·cos + rotate_half(x)
+    ·sin``, the halves of each head paired), in float32 on the accumulator; returns the
+    rotated query ``[B, Hq·D]`` (``[B, 1, Hq·D]`` for a 3-D ``x``), in ``x``'s dtype. With
+    ``eps`` (a float), ``weight`` holds an RMS norm's weight folded into its columns
+    (:func:`fold_norm_weight`) and each row is scaled by ``1 / sqrt(mean(x²) + eps)`` as
+    :func:`decode_linear_rms` does: a decoder layer's input norm, q|k|v projection, rotary
+    embedding and cache write in one launch. A ``position`` at or past ``T`` writes nothing
+    (it cannot be checked without a host read).
+
+    On the Triton path (:func:`decode_linear_path`, and ``D/2`` a multiple of 16) each program
+    streams a stripe of one head's first-half weight rows and the partner rows ``D/2`` on,
+    rotates the pairs in its epilogue and stores them where they go; the last program to
+    finish raises ``position``. Elsewhere the float32 reference (:func:`_rope_reference`).
+    It differs from the unfused layer by where it rounds: that layer rounds the projection to
+    ``x``'s dtype before rotating; here the rotation runs on the float32 accumulator."""
+    _check(x, weight, bias)
+    if eps is not None:
+        _check_eps(eps)
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[1] != 1):
+        raise ValueError(
+            f"x must be [B, K] or [B, 1, K] (one new token per sequence), got {list(x.shape)}"
+        )
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_tensor(name, cache, ndim=4)
+        if cache.dtype != x.dtype or cache.device != x.device or cache.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be {x.dtype} on {x.device} with a unit stride along D (x's dtype "
+                f"and device), got {cache.dtype} on {cache.device}, strides {cache.stride()}"
+            )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {list(k_cache.shape)} and "
+            f"{list(v_cache.shape)}"
+        )
+    b, h_kv, _, d = k_cache.shape
+    if b != rows:
+        raise ValueError(f"the caches hold {b} sequences, x {rows} rows: they must be equal")
+    if d % 2 or n % d or n // d <= 2 * h_kv:
+        raise ValueError(
+            f"weight must be [(Hq + 2·Hkv)·D, K] with Hq >= 1 and D even (Hkv = {h_kv}, D = "
+            f"{d} from the caches), got {n} rows"
+        )
+    tables = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_float_tensor(name, t)
+        if t.numel() not in (d, b * d) or t.shape[-1] != d or t.device != x.device:
+            raise ValueError(
+                f"{name} must be [B, D] = [{b}, {d}] (or [B, 1, D]; one row of D for every "
+                f"sequence) on {x.device}, got {list(t.shape)} on {t.device}"
+            )
+        # [B, D]; one row shared by every sequence is read through a stride of 0.
+        tables.append(_rows(t, b) if t.numel() == b * d else _rows(t, 1).expand(b, d))
+    if (
+        not isinstance(position, torch.Tensor)
+        or position.dtype != torch.int64
+        or position.numel() != 1
+        or position.device != x.device
+    ):
+        raise ValueError(
+            f"position must be a one-element int64 tensor on {x.device} (a static cache "
+            f"layer's cumulative_length), got "
+            + (f"{position.dtype} {shape_str(position)} on {position.device}"
+               if isinstance(position, torch.Tensor) else type(position).__name__)  # fmt: skip
+        )
+    path = decode_linear_path(rows, weight)
+    x2 = _rows(x, rows)
+    args = (x2, weight, _dense(bias), *tables, k_cache, v_cache, position)
+    extra = (None if eps is None else float(eps), bool(advance))
+    if path == "torch" or (d // 2) % 16:
+        q = _rope_reference(*args, *extra)
+    else:
+        announce("decode_linear", path, x.device)
+        q = _rope_op(*args, *extra)
+    return q.view(*x.shape[:-1], n - 2 * h_kv * d)

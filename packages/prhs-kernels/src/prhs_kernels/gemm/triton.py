@@ -20,6 +20,7 @@ Llama-3-8B decode steps at 8 and 16 rows.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,7 +30,16 @@ from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded 
 from prhs_kernels.paths import interpreting
 from prhs_kernels.sparse_decode.triton import _arrivals, _multiprocessors
 
-__all__ = ["TUNING", "decode_linear_triton", "plan", "plan_swiglu", "split_k"]
+__all__ = [
+    "TUNING",
+    "TUNING_ROPE",
+    "Rope",
+    "decode_linear_triton",
+    "plan",
+    "plan_rope",
+    "plan_swiglu",
+    "split_k",
+]
 
 TUNING = {"split_k": False, "max_split": 4, "min_tiles": 4}
 """The split of ``K`` (:func:`split_k`): whether a weight with fewer row stripes than the GPU
@@ -40,6 +50,79 @@ Llama shapes 12.40 against 12.43 µs at one row, 12.57 against 12.36 at 8; whole
 0.2 %: ``benchmarks/scripts/split_k_check.py`` and the ``sk`` variant of
 ``benchmarks/scripts/tuning_ab_device.sh``). Module-level so that a
 benchmark can sweep them."""
+
+
+@triton.jit  # at import, unlike the kernel (a helper; interpreted tests import with the flag)
+def _rope_epilogue(
+    acc,
+    acc_u,
+    offs_m,
+    offs_d,
+    m_ok,
+    head,
+    Y,
+    stride_ym,
+    COS,
+    SIN,
+    stride_cm,
+    stride_sm,
+    KC,
+    VC,
+    POS,
+    ARRIVE,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    cache_len,
+    n_q_heads,
+    n_kv_heads,
+    HALF: tl.constexpr,
+    ADVANCE: tl.constexpr,
+):
+    """A q|k|v GEMM's rotary embedding and cache write, on one program's ``[BLOCK_N, BLOCK_M]``
+    accumulators: ``acc`` holds columns ``offs_d`` of ``head`` (its first half), ``acc_u`` their
+    partners ``offs_d + HALF``. Query and key heads are rotated (``rotate_half``: ``y₁ = a·cos₁
+    - b·sin₁``, ``y₂ = b·cos₂ + a·sin₂``, with each row's own cos/sin); query heads are stored
+    into ``Y [M, Hq·D]``, key and value heads into the caches' ``[m, h, pos]`` rows (``pos``
+    read from ``POS``; nothing is written at or past ``cache_len``). With ``ADVANCE`` the last
+    program to finish (an int32 arrival counter, set back to 0 by it) raises ``POS`` by one."""
+    pos = tl.load(POS)
+    rot = head < n_q_heads + n_kv_heads
+    cs_ok = m_ok[None, :] & rot
+    c_row = COS + offs_m[None, :] * stride_cm
+    s_row = SIN + offs_m[None, :] * stride_sm
+    d1 = offs_d[:, None]
+    cos1 = tl.load(c_row + d1, mask=cs_ok, other=1.0).to(tl.float32)
+    sin1 = tl.load(s_row + d1, mask=cs_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(c_row + d1 + HALF, mask=cs_ok, other=1.0).to(tl.float32)
+    sin2 = tl.load(s_row + d1 + HALF, mask=cs_ok, other=0.0).to(tl.float32)
+    y1 = (acc * cos1 - acc_u * sin1).to(Y.dtype.element_ty)
+    y2 = (acc_u * cos2 + acc * sin2).to(Y.dtype.element_ty)
+    ok = m_ok[None, :] & (d1 >= 0)
+    is_q = head < n_q_heads
+    y_ptr = Y + offs_m[None, :] * stride_ym + head * (2 * HALF) + d1
+    tl.store(y_ptr, y1, mask=ok & is_q)
+    tl.store(y_ptr + HALF, y2, mask=ok & is_q)
+    in_cache = pos < cache_len
+    is_k = (head >= n_q_heads) & rot & in_cache
+    k_ptr = (KC + offs_m[None, :].to(tl.int64) * stride_kb + (head - n_q_heads) * stride_kh
+             + pos * stride_kt + d1)  # fmt: skip
+    tl.store(k_ptr, y1, mask=ok & is_k)
+    tl.store(k_ptr + HALF, y2, mask=ok & is_k)
+    is_v = (head >= n_q_heads + n_kv_heads) & in_cache
+    v_ptr = (VC + offs_m[None, :].to(tl.int64) * stride_vb
+             + (head - n_q_heads - n_kv_heads) * stride_vh + pos * stride_vt + d1)  # fmt: skip
+    tl.store(v_ptr, acc.to(VC.dtype.element_ty), mask=ok & is_v)
+    tl.store(v_ptr + HALF, acc_u.to(VC.dtype.element_ty), mask=ok & is_v)
+    if ADVANCE:
+        # Every program read POS above, before it arrives here (acq_rel orders that read first).
+        arrived = tl.atomic_add(ARRIVE, 1, sem="acq_rel", scope="gpu")
+        last = arrived == tl.num_programs(0) - 1
+        tl.atomic_xchg(ARRIVE, 0, sem="relaxed", scope="gpu", mask=last)
+        tl.store(POS, pos + 1, mask=last)
 
 
 def _decode_linear_kernel(
@@ -54,6 +137,11 @@ def _decode_linear_kernel(
     PSI,
     PART,
     ARRIVE,
+    COS,
+    SIN,
+    KC,
+    VC,
+    POS,
     M,
     N,
     K,
@@ -65,6 +153,17 @@ def _decode_linear_kernel(
     stride_ym,
     stride_rm,
     stride_hm,
+    stride_cm,
+    stride_sm,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    cache_len,
+    n_q_heads,
+    n_kv_heads,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -78,18 +177,33 @@ def _decode_linear_kernel(
     NORM_OUT: tl.constexpr,
     UPCAST: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # Heads of 2·HALF columns (q, then k, then v); each program takes BLOCK_N columns of
+        # one head's first half and streams their partners HALF columns on (the rotation's
+        # pairs) into the second accumulator.
+        per_head = HALF // BLOCK_N
+        head = pid // per_head
+        offs_n = head * (2 * HALF) + (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pair = HALF
+    else:
+        head = 0
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        pair = N
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # SWIGLU: the weight is [gate; up] (2N rows); this program also streams the up rows of its
-    # columns, into a second accumulator.
-    u_ptr = W + (offs_n[:, None] + N).to(tl.int64) * stride_wn + offs_k[None, :]
+    # columns, into a second accumulator. ROPE: the partner rows of its columns, likewise.
+    PAIRED: tl.constexpr = SWIGLU or ROPE
+    u_ptr = W + (offs_n[:, None] + pair).to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptr = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # xᵀ: [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -114,15 +228,15 @@ def _decode_linear_kernel(
         if RMS_IN:  # x's tile, not the weight's: the weight stream is left as it is
             xf = x.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
-        if SWIGLU:
+        if PAIRED:
             wu = tl.load(u_ptr + k0, mask=w_ok, other=0.0)
         if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
-            if SWIGLU:
+            if PAIRED:
                 acc_u += tl.dot(wu.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-            if SWIGLU:
+            if PAIRED:
                 acc_u = tl.dot(wu, x, acc_u)
     if SPLIT_K > 1:
         # Each slice of K stores its float32 partial; the stripe's last slice to finish (an
@@ -154,29 +268,37 @@ def _decode_linear_kernel(
         acc_u = acc_u * scale[None, :]
     if RMS_IN:  # the RMS norm of x itself: its weight is folded into the weight's columns
         acc = acc * tl.rsqrt(sq / K + eps)[None, :]
+        if PAIRED:
+            acc_u = acc_u * tl.rsqrt(sq / K + eps)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if SWIGLU:
-            acc_u += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if PAIRED:
+            acc_u += tl.load(B + pair + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_u
-    out_ok = n_ok[:, None] & m_ok[None, :]
-    ps_ok = m_ok
-    if SPLIT_K > 1:  # only the stripe's last slice writes the outputs
-        out_ok = out_ok & last
-        ps_ok = m_ok & last
-    if RESIDUAL:
-        r_ptr = R + offs_m[None, :] * stride_rm + offs_n[:, None]
-        acc += tl.load(r_ptr, mask=out_ok, other=0.0).to(tl.float32)
-    out = acc.to(Y.dtype.element_ty)
-    y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptr, out, mask=out_ok)
-    if NORM_OUT:  # the next RMS norm's input: h ⊙ weight, and this stripe's sum of h² per row
-        h = tl.where(out_ok, out.to(tl.float32), 0.0)
-        g = tl.load(G + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        hg_ptr = HG + offs_m[None, :] * stride_hm + offs_n[:, None]
-        tl.store(hg_ptr, (h * g[:, None]).to(Y.dtype.element_ty), mask=out_ok)
-        tl.store(PS + pid * M + offs_m, tl.sum(h * h, axis=0), mask=ps_ok)
+    if ROPE:
+        _rope_epilogue(acc, acc_u, offs_m, offs_n - head * (2 * HALF), m_ok, head, Y, stride_ym,
+                       COS, SIN, stride_cm, stride_sm, KC, VC, POS, ARRIVE, stride_kb,
+                       stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, cache_len,
+                       n_q_heads, n_kv_heads, HALF, ADVANCE)  # fmt: skip
+    else:
+        out_ok = n_ok[:, None] & m_ok[None, :]
+        ps_ok = m_ok
+        if SPLIT_K > 1:  # only the stripe's last slice writes the outputs
+            out_ok = out_ok & last
+            ps_ok = m_ok & last
+        if RESIDUAL:
+            r_ptr = R + offs_m[None, :] * stride_rm + offs_n[:, None]
+            acc += tl.load(r_ptr, mask=out_ok, other=0.0).to(tl.float32)
+        out = acc.to(Y.dtype.element_ty)
+        y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptr, out, mask=out_ok)
+        if NORM_OUT:  # the next RMS norm's input: h ⊙ weight, and this stripe's sum of h² per row
+            h = tl.where(out_ok, out.to(tl.float32), 0.0)
+            g = tl.load(G + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            hg_ptr = HG + offs_m[None, :] * stride_hm + offs_n[:, None]
+            tl.store(hg_ptr, (h * g[:, None]).to(Y.dtype.element_ty), mask=out_ok)
+            tl.store(PS + pid * M + offs_m, tl.sum(h * h, axis=0), mask=ps_ok)
 
 
 @functools.cache
@@ -233,6 +355,7 @@ def decode_linear_triton(
     sumsq: torch.Tensor | None = None,
     eps: float = 0.0,
     rms_in: bool = False,
+    rope: Rope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The launcher (inputs already checked): ``x [M, K]`` (last dim contiguous, ``M ≤
     MAX_ROWS``), ``weight [N, K]`` contiguous rows, ``bias [N]`` or None; returns ``(y, hg,
@@ -247,9 +370,15 @@ def decode_linear_triton(
     over each program's columns, ``[cdiv(N, BLOCK_N), M]`` float32 (the next RMS norm's
     input and its partial sums, for a ``sumsq`` GEMM); ``rms_in`` -- scale each row by ``1 /
     sqrt(mean(x²) + eps)`` of its own row of ``x``, summed from the tiles of ``x`` the loop
-    loads (``x`` is an RMS norm's input, the norm's weight folded into ``weight``'s columns)."""
+    loads (``x`` is an RMS norm's input, the norm's weight folded into ``weight``'s columns);
+    ``rope`` -- ``weight`` is a q|k|v projection (heads of ``D`` columns: ``Hq`` of q, then
+    ``Hkv`` of k and of v), the rotary embedding is applied to the q and k heads, the k and v
+    heads are written into the caches at ``rope.position`` (:class:`Rope`), and ``y`` is the
+    rotated query, ``[M, Hq·D]``."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if rope is not None:
+        return _launch_rope(x, weight, bias, rope, eps, rms_in, launch, out), None, None
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = launch or (plan_swiglu(n, k) if swiglu else plan(n, k))
     grid = triton.cdiv(n, block_n)
@@ -276,13 +405,83 @@ def decode_linear_triton(
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy, hg if hg is not None else dummy,
         ps if ps is not None else dummy, sumsq if sumsq is not None else dummy, part, arrive,
+        *(dummy,) * 4, arrive,  # no rotary embedding: its tables, caches and position
         m, n, k, n_parts, float(eps), k_split,
         x.stride(0), weight.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0, hg.stride(0) if hg is not None else 0,
+        *(0,) * 11,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(n_parts), EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
         RMS_IN=rms_in, RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None,
-        UPCAST=interpreting(), SPLIT_K=splits, num_warps=warps, num_stages=stages,
+        UPCAST=interpreting(), SPLIT_K=splits, ROPE=False, HALF=1, ADVANCE=False,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
+
+
+class Rope(NamedTuple):
+    """What a q|k|v GEMM's rotary epilogue takes (inputs already checked): ``cos``/``sin``
+    ``[M, D]`` (any float dtype, unit stride along ``D``), the caches ``k_cache``/``v_cache``
+    ``[M, Hkv, T, D]`` (unit stride along ``D``) and ``position``, a one-element int64 tensor:
+    the cache row written; ``advance``: raise it by one."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    position: torch.Tensor
+    advance: bool
+
+
+def plan_rope(n: int, k: int, head_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of a q|k|v GEMM with the rotary epilogue
+    (:data:`TUNING_ROPE`): each program streams ``BLOCK_N`` columns of a head's first half and
+    their partners in its second half (as many weight bytes as a stripe of ``2·BLOCK_N`` of
+    :func:`plan`); ``BLOCK_N`` is cut down to divide ``head_dim / 2``."""
+    del n, k
+    block_n, block_k, warps, stages = TUNING_ROPE["launch"]
+    half = head_dim // 2
+    while half % block_n:
+        block_n //= 2
+    return block_n, block_k, warps, stages
+
+
+TUNING_ROPE = {"launch": (32, 128, 4, 6)}
+"""The rotary q|k|v GEMM's launch (:func:`plan_rope`). Module-level so that a probe can
+sweep it."""
+
+
+def _launch_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rope: Rope,
+    eps: float,
+    rms_in: bool,
+    launch: tuple[int, int, int, int] | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    _, h_kv, t, d = rope.k_cache.shape
+    h_q = n // d - 2 * h_kv
+    y = out if out is not None else torch.empty(m, h_q * d, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = launch or plan_rope(n, k, d)
+    grid = n // (2 * block_n)
+    arrive = _arrivals(x.device, 1)
+    kc, vc = rope.k_cache, rope.v_cache
+    dummy = weight
+    _kernel(interpreting())[(grid, 1)](
+        x, weight, bias if bias is not None else dummy, y, *(dummy,) * 5, dummy, arrive,
+        rope.cos, rope.sin, kc, vc, rope.position,
+        m, n, k, 1, float(eps), k,
+        x.stride(0), weight.stride(0), y.stride(0), 0, 0,
+        rope.cos.stride(0), rope.sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), t, h_q, h_kv,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=1,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SWIGLU=False, ROW_SCALE=False,
+        RMS_IN=rms_in, RESIDUAL=False, NORM_OUT=False, UPCAST=interpreting(), SPLIT_K=1,
+        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
