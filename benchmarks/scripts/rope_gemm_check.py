@@ -22,9 +22,8 @@ from skinny_gemm_probe import CALLS, graph_ms  # this folder: run as a script
 import prhs_kernels.gemm.triton as gt
 from prhs_kernels.gemm import decode_linear_rms, decode_linear_rope, fold_norm_weight
 
-#: (BLOCK_N, BLOCK_K, warps, stages): BLOCK_N rows of a head's first half and their partners.
-LAUNCHES = [(32, 128, 4, 4), (32, 128, 4, 6), (64, 128, 4, 3), (64, 128, 4, 4), (32, 256, 4, 4),
-            (16, 256, 4, 6)]  # fmt: skip
+#: (BLOCK_N, BLOCK_K, warps, stages): BLOCK_N/2 columns of a head's first half and their partners.
+LAUNCHES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 4), (128, 128, 8, 4)]
 
 
 def main() -> None:
@@ -79,16 +78,18 @@ def main() -> None:
                 decode_linear_rms(x, folded[i], eps=eps)
 
             row["us_rms"] = round(graph_ms(rms) * 1e3, 2)
-            for launch in LAUNCHES if args.sweep else [shipped]:
+            for launch in [shipped, *(LAUNCHES if args.sweep else [])]:
                 gt.TUNING_ROPE["launch"] = launch
-                label = "us_rope" if launch == shipped else "us_rope_" + "_".join(map(str, launch))
-                row[label] = round(graph_ms(rope) * 1e3, 2)
+                label = "_".join(map(str, gt.plan_rope(n, k, d)))
+                row[f"us_rope_{label}" + ("_shipped" if launch == shipped else "")] = round(
+                    graph_ms(rope) * 1e3, 2)  # fmt: skip
             gt.TUNING_ROPE["launch"] = shipped
             print(row, flush=True)
 
 
 def decode_check() -> None:
     import prhs_eval.throughput as tp
+    import prhs_selectors  # noqa: F401  (registers the selectors: no installed entry points here)
     from prhs_eval.integration import enable
 
     dev, bf = torch.device("cuda"), torch.bfloat16

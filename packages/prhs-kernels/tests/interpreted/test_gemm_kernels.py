@@ -462,15 +462,16 @@ def test_rope_gemm_writes_nothing_at_or_past_the_capacity_and_may_leave_the_posi
     assert int(pos) == 2 and not torch.equal(kc[:, :, 2], k_before[:, :, 2])
 
 
-def test_rope_gemm_launches_one_program_per_half_stripe_of_a_head(monkeypatch):
-    """Each program streams BLOCK_N rows of a head's first half and their partners: the grid
-    is the weight's rows over 2·BLOCK_N, BLOCK_N cut to divide D/2."""
+def test_rope_gemm_launches_the_plain_plans_stripes_each_half_in_a_heads_first_half(monkeypatch):
+    """Each program streams BLOCK_N weight rows, BLOCK_N/2 columns of a head's first half and
+    their partners: the plain kernel's grid (its stripes of 64 rows), BLOCK_N cut down until
+    its half divides D/2."""
     grids = _grids(monkeypatch)
     for d, h_q, h_kv in ((32, 4, 2), (64, 2, 2)):
         x, w, _, cos, sin, (kc, vc) = _rope_case(2, h_q, h_kv, d, 64)
         decode_linear_rope(x, w, cos=cos, sin=sin, k_cache=kc, v_cache=vc,
                            position=torch.tensor(0))  # fmt: skip
-    block = gemm_triton.TUNING_ROPE["launch"][0]
-    assert grids == [(w_rows // (2 * min(block, d // 2)), 1)
-                     for w_rows, d in ((8 * 32, 32), (6 * 64, 64))]  # fmt: skip
-    assert gemm_triton.plan_rope(0, 0, 32)[0] == 16 and gemm_triton.plan_rope(0, 0, 128)[0] == 32
+    assert grids == [(8 * 32 // 32, 1), (6 * 64 // 64, 1)]
+    assert gemm_triton.plan_rope(12288, 4096, 128) == gemm_triton.plan(12288, 4096)
+    assert gemm_triton.plan_rope(6144, 4096, 32)[0] == 32
+    assert gemm_triton.plan_rope(6144, 4096, 2)[0] == 2
