@@ -6,9 +6,10 @@ a CUDA graph of 16 calls over distinct weights beside the same GEMM without the 
 ``--sweep``: the rotary GEMM at each launch of :data:`LAUNCHES` too. Then a 2-layer
 Llama-3-8B-shaped model (random weights) decodes a few steps into a static cache under prhs,
 through ``decode_gemms(fuse_layers=True)`` with and without the rotary epilogue, eager and
-replayed from a CUDA graph: the logits and the caches the two write, compared (lengths 3005).
+replayed from a CUDA graph, with the dense selector and with prhs: the logits and the caches
+the two write, compared (lengths 3005).
 
-    python benchmarks/scripts/rope_gemm_check.py [--sweep]
+    python benchmarks/scripts/rope_gemm_check.py [--sweep] [--decode-only]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ LAUNCHES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 4), 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="only the model's decode check")
     args = ap.parse_args()
     dev, bf, eps, d, t = torch.device("cuda"), torch.bfloat16, 1e-5, 128, 4096
     shipped = gt.TUNING_ROPE["launch"]
@@ -96,13 +98,14 @@ def decode_check() -> None:
     model = tp.random_model(tp.model_config("llama3-8b", layers=2, max_positions=8192), dev, bf)
     cache = tp._static_cache(model, 4, 4096, dev)
 
-    def run(rope: bool, graph: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(rope: bool, graph: bool, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Five steps after a 3000-token fill: two eager, then three eager or replayed from a
         graph (``tp._capture``: the two eager steps on its side stream, then the capture);
         the last step's logits and the cache rows around the written ones."""
         tp.ROPE_EPILOGUE = rope
         tp._fill(cache, 3000, 0)
-        rt = enable(model, "prhs", max_seq_len=4096, checked=False, budget=256, block_size=8)
+        opts = {"budget": 256, "block_size": 8} if name == "prhs" else {}
+        rt = enable(model, name, max_seq_len=4096, checked=False, **opts)
         rt.attach(cache, 4)
         tokens = torch.tensor([[1], [2], [3], [4]], device=dev)
         logits = torch.zeros(4, model.config.vocab_size, device=dev)
@@ -125,19 +128,24 @@ def decode_check() -> None:
               for layer in cache.layers]  # fmt: skip
         return logits.clone(), kv
 
-    for graph in (False, True):
-        ref_logits, ref_kv = run(False, graph)
-        got_logits, got_kv = run(True, graph)
-        print({"decode_check": "graph" if graph else "eager",
+    for name, graph in (("dense", False), ("dense", True), ("prhs", False), ("prhs", True)):
+        ref_logits, ref_kv = run(False, graph, name)
+        got_logits, got_kv = run(True, graph, name)
+        row = {"decode_check": name + (" graph" if graph else " eager"),
                "logits_rel": float((got_logits - ref_logits).norm() / ref_logits.norm()),
                "argmax_agree": float((got_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
-               "kv_max_abs": max(float((a - b).abs().max()) for a, b in zip(got_kv, ref_kv)),
+               "kv_max_abs_per_layer": [float((a - b).abs().max()) for a, b in zip(got_kv, ref_kv)],
                "kv_max": max(float(a.abs().max()) for a in ref_kv),
-               "lengths": [int(layer.cumulative_length) for layer in cache.layers]},
-              flush=True)  # fmt: skip
+               "lengths": [int(layer.cumulative_length) for layer in cache.layers]}  # fmt: skip
+        print(row, flush=True)
+        if name == "dense" and not (row["logits_rel"] < 0.02 and max(row["kv_max_abs_per_layer"]) < 0.1):
+            raise SystemExit(f"the rotary epilogue's decode differs from the layers': {row}")
     tp.ROPE_EPILOGUE = True
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--decode-only" not in sys.argv:
+        main()
     decode_check()

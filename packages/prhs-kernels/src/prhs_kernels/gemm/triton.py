@@ -122,7 +122,10 @@ def _rope_epilogue(
     tl.store(v_ptr, acc.to(VC.dtype.element_ty), mask=ok & is_v)
     tl.store(v_ptr + HALF, acc_u.to(VC.dtype.element_ty), mask=ok & is_v)
     if ADVANCE:
-        # Every program read POS above, before it arrives here (acq_rel orders that read first).
+        # Every program read POS above before it arrives here: the barrier holds this one's
+        # arrival until all its warps have (one warp's atomic orders only its own reads), so
+        # the last program's write of POS + 1 cannot reach a warp still to read POS.
+        tl.debug_barrier()
         arrived = tl.atomic_add(ARRIVE, 1, sem="acq_rel", scope="gpu")
         last = arrived == tl.num_programs(0) - 1
         tl.atomic_xchg(ARRIVE, 0, sem="relaxed", scope="gpu", mask=last)
