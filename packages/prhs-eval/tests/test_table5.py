@@ -318,10 +318,11 @@ def test_table5_fuse_layers_marks_and_keeps_its_rows(tmp_path, monkeypatch):
     assert ran  # the timed steps ran the layers' epilogue GEMMs
     layers = out / "table5"
     rows = [json.loads(x) for x in (layers / "rows.jsonl").read_text().splitlines()]
-    assert [(r["fused"], r["fused_layers"], r["gemm"]) for r in rows] == [(True, True, "triton")]
+    assert [(r["fused"], r["fused_layers"], r["rope_epilogue"], r["gemm"]) for r in rows] == [
+        (True, True, True, "triton")]  # fmt: skip
     readme = (layers / "README.md").read_text()
-    assert "| tiny | 2 | 256 | sdpa · fused layers · triton GEMMs |" in readme
-    assert "`· fused layers`" in readme
+    assert "| tiny | 2 | 256 | sdpa · fused layers + rope · triton GEMMs |" in readme
+    assert "`· fused layers`" in readme and "`+ rope`" in readme
     run = json.loads((layers / "config.json").read_text())["runs"][0]
     assert (run["fuse"], run["fuse_layers"], run["gemm"]) == (True, True, "triton")
 
@@ -335,17 +336,23 @@ def test_table5_fuse_layers_marks_and_keeps_its_rows(tmp_path, monkeypatch):
             (path / f).write_text((layers / f).read_text())
         return str(path)
 
-    fused = folder("fused", dict(rows[0], fused_layers=False, ms_per_step=1.0))
-    older = {k: v for k, v in rows[0].items() if k != "fused_layers"} | {"ms_per_step": 2.0}
-    old = folder("old", older)
-    points, _, _ = load_points([layers, fused, old])
-    got = sorted((p.fused_layers, p.ms_per_step) for p in points)
-    assert got == [(False, 2.0), (True, rows[0]["ms_per_step"])]
+    fused = folder("fused", dict(rows[0], fused_layers=False, rope_epilogue=False,
+                                 ms_per_step=1.0))  # fmt: skip
+    older = {k: v for k, v in rows[0].items() if k not in ("fused_layers", "rope_epilogue")}
+    old = folder("old", older | {"ms_per_step": 2.0})
+    # Fused layers without the rotary epilogue, as rows were written before it existed.
+    no_rope = folder("norope", {k: v for k, v in rows[0].items() if k != "rope_epilogue"}
+                     | {"ms_per_step": 3.0})  # fmt: skip
+    points, _, _ = load_points([layers, fused, old, no_rope])
+    got = sorted((p.fused_layers, p.rope_epilogue, p.ms_per_step) for p in points)
+    assert got == [(False, False, 2.0), (True, False, 3.0), (True, True, rows[0]["ms_per_step"])]
     joined = tmp_path / "joined"
-    assert main(["table5", "--from-rows", f"{layers},{fused}", "--out", str(joined)]) == 0
+    argv = ["table5", "--from-rows", f"{layers},{fused},{no_rope}", "--out", str(joined)]
+    assert main(argv) == 0
     readme = (joined / "table5" / "README.md").read_text()
     assert "| sdpa · fused · triton GEMMs | 1.000 |" in readme
-    assert "| sdpa · fused layers · triton GEMMs |" in readme
+    assert "| sdpa · fused layers · triton GEMMs | 3.000 |" in readme
+    assert "| sdpa · fused layers + rope · triton GEMMs |" in readme
 
 
 def test_a_selector_is_timed_without_statistics_and_counted_in_a_second_run(monkeypatch):
@@ -451,11 +458,13 @@ def test_the_figure_keeps_one_bar_per_method_and_configuration(tmp_path, monkeyp
             fused_layers=True,
             gemm="triton",
         ),
+        ThroughputPoint(**base, fused=True, fused_layers=True, rope_epilogue=True, gemm="triton"),
     ]
     labels = [point_label(p) for p in points]
     assert labels == ["prhs", "prhs · compiled · fused",
                       "prhs · compiled layers · fused · triton GEMMs",
-                      "prhs · compiled layers · fused layers · triton GEMMs"]  # fmt: skip
+                      "prhs · compiled layers · fused layers · triton GEMMs",
+                      "prhs · fused layers + rope · triton GEMMs"]  # fmt: skip
     seen: list[str] = []
     real = matplotlib.axes.Axes.bar
 

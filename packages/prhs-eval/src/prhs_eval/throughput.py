@@ -265,6 +265,7 @@ class ThroughputPoint:
     compile_scope: str | None = None  # what it compiled (COMPILE_SCOPES); None: "parts"
     fused: bool = False  # QKV and gate/up projections as one GEMM each (fused_projections)
     fused_layers: bool = False  # post-attention work in GEMM epilogues (fused_layers)
+    rope_epilogue: bool = False  # and the rotary embedding + cache write (ROPE_EPILOGUE)
     gemm: str | None = None  # "triton": the linear layers through decode_gemms; None: cuBLAS
     skipped: str | None = None
 
@@ -283,10 +284,11 @@ class ThroughputPoint:
 
 def _join_key(p: ThroughputPoint) -> tuple:
     """What makes two rows the same point: (shape, B, T, method, compile backend and scope,
-    fused, fused layers, GEMM); rows written before a field existed read as its default."""
+    fused, fused layers, rotary epilogue, GEMM); rows written before a field existed read as
+    its default."""
     scope = (p.compile_scope or "parts") if p.compiled else None
     return (p.shape, p.batch, p.context, p.method, p.compiled, scope, p.fused, p.fused_layers,
-            p.gemm or "cublas")  # fmt: skip
+            p.rope_epilogue, p.gemm or "cublas")  # fmt: skip
 
 
 def load_points(folders: Sequence[Any]) -> tuple[list[ThroughputPoint], list[dict], dict]:
@@ -956,6 +958,7 @@ def _measure(
         compiled=compiled,
         fused=fused,
         fused_layers=fused_layers,
+        rope_epilogue=fused_layers and ROPE_EPILOGUE,
         compile_scope=compile_scope if compiled else None,
         gemm=None if gemm == "cublas" else gemm,
     )
@@ -1204,11 +1207,12 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
 
 def point_label(p: ThroughputPoint) -> str:
     """A point's method and how the model around it ran: ``prhs[...] · compiled layers ·
-    fused · triton GEMMs``."""
+    fused · triton GEMMs`` (``fused layers + rope``: with the rotary epilogue)."""
     label = p.method
     if p.compiled:
         label += " · compiled layers" if p.compile_scope == "layers" else " · compiled"
     label += " · fused layers" if p.fused_layers else " · fused" if p.fused else ""
+    label += " + rope" if p.rope_epilogue else ""
     return label + (" · triton GEMMs" if p.gemm == "triton" else "")
 
 
