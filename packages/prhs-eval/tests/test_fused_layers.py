@@ -358,3 +358,37 @@ def test_decode_gemms_leave_the_fused_layers_mlps_out_of_fused_projections(monke
         assert (attn, mlps) == (len(layers), 0)
         assert not [name for name in _patched(model) if ".mlp" in name]
     assert _patched(model) == []
+
+
+def test_the_rotary_epilogue_writes_only_a_plain_allocated_static_cache_layer():
+    """:func:`_static_layer`: the layer the epilogue may write, or None (the layer's own path)."""
+    from transformers import DynamicCache, StaticCache
+
+    from prhs_eval.throughput import _static_cache, _static_layer
+
+    model = _tiny()
+    cfg = model.config
+    cache = _static_cache(model, 2, 32, torch.device("cpu"))
+    assert _static_layer(cache, 1, 2, 16, torch.float32) is cache.layers[1]
+    assert _static_layer(cache, 1, 3, 16, torch.float32) is None  # another batch
+    assert _static_layer(cache, 1, 2, 8, torch.float32) is None  # another head size
+    assert _static_layer(cache, 1, 2, 16, torch.bfloat16) is None  # another dtype
+    assert _static_layer(cache, 5, 2, 16, torch.float32) is None  # no such layer
+    assert _static_layer(StaticCache(config=cfg, max_cache_len=32), 0, 2, 16,
+                         torch.float32) is None  # not allocated yet  # fmt: skip
+    assert _static_layer(DynamicCache(config=cfg), 0, 2, 16, torch.float32) is None
+    assert _static_layer(None, 0, 2, 16, torch.float32) is None
+
+
+def test_fused_layers_leave_attention_they_cannot_rotate_to_its_own_forward(monkeypatch):
+    """A class outside ROPE_ATTENTION (its forward may rotate otherwise) keeps its forward;
+    with ``rope=False`` none is replaced."""
+    import prhs_eval.throughput as throughput
+
+    model = _tiny()
+    with fused_layers(model, rope=False):
+        assert not [n for n in _patched(model) if n.endswith("self_attn")]
+    monkeypatch.setattr(throughput, "ROPE_ATTENTION", {"Qwen2Attention": lambda attn: {}})
+    with fused_layers(model):  # Llama's attention is not among them now
+        assert not [n for n in _patched(model) if n.endswith("self_attn")]
+    assert _patched(model) == []

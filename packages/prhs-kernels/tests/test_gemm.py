@@ -275,3 +275,12 @@ def test_bad_rope_input_is_a_clear_error_and_writes_nothing(change, message):
     assert torch.equal(a["k_cache"], before[0]) and torch.equal(a["v_cache"], before[1])
     if isinstance(pos, torch.Tensor):
         assert torch.equal(a["position"], pos)
+
+
+def test_rope_reads_nothing_on_the_host_meta_tensors_run_through():
+    """On ``meta`` tensors (no values at all) the op runs from shapes alone, as a captured
+    decode step needs; the query comes back as ``[B, 1, Hq·D]``."""
+    a = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in _rope_inputs().items()}
+    q = decode_linear_rope(a.pop("x"), **a, eps=1e-6)
+    assert q.device.type == "meta" and q.shape == (2, 1, 32)
+

@@ -475,3 +475,35 @@ def test_rope_gemm_launches_the_plain_plans_stripes_each_half_in_a_heads_first_h
     assert gemm_triton.plan_rope(12288, 4096, 128) == gemm_triton.plan(12288, 4096)
     assert gemm_triton.plan_rope(6144, 4096, 32)[0] == 32
     assert gemm_triton.plan_rope(6144, 4096, 2)[0] == 2
+
+
+def test_rope_under_torch_compile_is_one_call_that_writes_the_caches():
+    """The op is ``prhs::decode_linear_rope``, declared to mutate the caches and the position:
+    traced, it stays one call, and the compiled function writes what the eager one does."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def step(x, w, cos, sin, kc, vc, pos):
+        return decode_linear_rope(x, w, cos=cos, sin=sin, k_cache=kc, v_cache=vc, position=pos,
+                                  eps=1e-5)  # fmt: skip
+
+    def inputs():
+        x, w, _, cos, sin, (kc, vc) = _rope_case(2, 2, 1, 32, 64)
+        return dict(x=x, weight=w, cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                    position=torch.tensor(3))  # fmt: skip
+
+    names = ("x", "weight", "cos", "sin", "k_cache", "v_cache", "position")
+    a, b = inputs(), inputs()
+    want = step(*(b[k] for k in names))  # eager first: the path is announced (logged) once
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=backend, fullgraph=True)(*(a[k] for k in names))
+    (gm,) = graphs
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert called.count("prhs.decode_linear_rope.default") == 1, called
+    torch.testing.assert_close(got, want)
+    for name in ("k_cache", "v_cache", "position"):
+        torch.testing.assert_close(a[name], b[name])
+    assert int(a["position"]) == 4
