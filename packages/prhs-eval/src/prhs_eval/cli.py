@@ -572,9 +572,9 @@ def _add_table5(sub: Any) -> None:
     )  # fmt: skip
     t5.add_argument(
         "--fuse-layers", action="store_true",
-        help="with --gemm triton: run each Llama-family decoder layer's post-attention RMS "
-        "norm, SiLU·mul and residual adds in its GEMMs' epilogues (implies --fuse; every "
-        "method alike)",
+        help="with --gemm triton: run each Llama-family decoder layer's RMS norms, SiLU·mul "
+        "and residual adds in its GEMMs' epilogues, and at decode steps its rotary embedding "
+        "and KV-cache write in the q|k|v GEMM's (implies --fuse; every method alike)",
     )  # fmt: skip
     t5.add_argument(
         "--gemm", choices=("cublas", "triton"), default="cublas",
