@@ -636,8 +636,13 @@ def _static_layer(cache: Any, index: int, rows: int, dim: int, dtype: torch.dtyp
     return layer
 
 
-def _rope_attention_forward(attn: Any, weight: torch.Tensor, bias: torch.Tensor | None,
-                            eps: float, fallback: Callable[..., Any]) -> Callable[..., Any]:  # fmt: skip
+def _rope_attention_forward(
+    attn: Any,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    fallback: Callable[..., Any],
+) -> Callable[..., Any]:
     """``attn``'s forward (a :data:`ROPE_ATTENTION` class) where a decode step's q|k|v
     projection, input norm, rotary embedding and cache write are one
     :func:`~prhs_kernels.gemm.decode_linear_rope` launch on ``weight`` (the input norm's
@@ -745,11 +750,13 @@ def fused_layers(model: Any, rope: bool | None = None) -> Iterator[int]:
     cache in the q|k|v GEMM's epilogue (:func:`~prhs_kernels.gemm.decode_linear_rope`; for the
     attention classes of :data:`ROPE_ATTENTION`); without, they are the layer's own. The
     attention (prhs's or transformers') is the layer's own. At a decode step's few rows that
-    removes four launches a layer (the two norms, the SiLU·mul and the last residual add), and
-    the rotary epilogue the launches of the rotation, the cache write and the length's add,
-    and the normed input and ``[rows, 2·intermediate]`` gate|up outputs. The model computes what it did up to where the
-    norms round (:func:`~prhs_kernels.gemm.decode_linear_rms`,
-    :func:`~prhs_kernels.gemm.decode_linear_residual_norm`). Yields the layers fused; other
+    removes four launches a layer (the two norms, the SiLU·mul and the last residual add),
+    those of the rotation, the cache write and the length's add with the rotary epilogue,
+    and the writes of the normed input and the ``[rows, 2·intermediate]`` gate|up output.
+    The model computes what it did up to where the norms and the rotation round
+    (:func:`~prhs_kernels.gemm.decode_linear_rms`,
+    :func:`~prhs_kernels.gemm.decode_linear_residual_norm`,
+    :func:`~prhs_kernels.gemm.decode_linear_rope`). Yields the layers fused; other
     layers are left alone, and a model with none is an error. Within the block the q/k/v
     weights hold the input norm's weight folded in; on exit their values are copied back
     (from a host copy) and the forwards restored (the q/k/v and gate/up weights stay views of

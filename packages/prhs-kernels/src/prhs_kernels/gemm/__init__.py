@@ -508,10 +508,11 @@ def decode_linear_rope(
     is the q, k and v projections stacked (``N = (Hq + 2·Hkv)·D``: ``Hq`` query heads, then
     ``Hkv`` key and ``Hkv`` value heads of ``D`` columns; ``bias [N]`` likewise);
     ``cos``/``sin`` (``[B, D]``, or ``[B, 1, D]`` as a rotary embedding module returns them;
-    one row of ``D`` for all) the rotation of each sequence's position; ``k_cache``/``v_cache`` ``[B, Hkv, T, D]`` the
-    layer's caches (a static cache's ``keys``/``values``), written at row ``position`` (a
-    one-element int64 tensor on the device: a static cache layer's ``cumulative_length``),
-    which ``advance`` then raises by one -- all on the device, nothing read on the host.
+    one row of ``D`` for all) the rotation of each sequence's position;
+    ``k_cache``/``v_cache`` ``[B, Hkv, T, D]`` the layer's caches (a static cache's
+    ``keys``/``values``), written at row ``position`` (a one-element int64 tensor on the
+    device: a static cache layer's ``cumulative_length``), which ``advance`` then raises by
+    one -- all on the device, nothing read on the host.
 
     The query and key heads are rotated as Llama-family models do (``x·cos + rotate_half(x)
     ·sin``, the halves of each head paired), in float32 on the accumulator; returns the
@@ -523,8 +524,9 @@ def decode_linear_rope(
     (it cannot be checked without a host read).
 
     On the Triton path (:func:`decode_linear_path`, and ``D/2`` a multiple of 16) each program
-    streams a stripe of one head's first-half weight rows and the partner rows ``D/2`` on,
-    rotates the pairs in its epilogue and stores them where they go; the last program to
+    streams the plain kernel's stripe of weight rows, half of them columns of one head's first
+    half and half their partners ``D/2`` on, rotates the pairs in its epilogue and stores them
+    where they go; the last program to
     finish raises ``position``. Elsewhere the float32 reference (:func:`_rope_reference`).
     It differs from the unfused layer by where it rounds: that layer rounds the projection to
     ``x``'s dtype before rotating; here the rotation runs on the float32 accumulator."""
@@ -573,11 +575,12 @@ def decode_linear_rope(
         or position.numel() != 1
         or position.device != x.device
     ):
+        got = type(position).__name__
+        if isinstance(position, torch.Tensor):
+            got = f"{position.dtype} {shape_str(position)} on {position.device}"
         raise ValueError(
             f"position must be a one-element int64 tensor on {x.device} (a static cache "
-            f"layer's cumulative_length), got "
-            + (f"{position.dtype} {shape_str(position)} on {position.device}"
-               if isinstance(position, torch.Tensor) else type(position).__name__)  # fmt: skip
+            f"layer's cumulative_length), got {got}"
         )
     path = decode_linear_path(rows, weight)
     x2 = _rows(x, rows)

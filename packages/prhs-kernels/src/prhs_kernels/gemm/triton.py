@@ -85,9 +85,9 @@ def _rope_epilogue(
     accumulator: its first ``BLOCK_N/2`` rows are columns ``col + i`` of ``head`` (in its first
     half), the next their partners ``col + i + HALF``. Query and key heads are rotated
     (``rotate_half``: ``y₁ = a·cos₁ - b·sin₁``, ``y₂ = b·cos₂ + a·sin₂``, with each row's own
-    cos/sin); query heads are stored
-    into ``Y [M, Hq·D]``, key and value heads into the caches' ``[m, h, pos]`` rows (``pos``
-    read from ``POS``; nothing is written at or past ``cache_len``). With ``ADVANCE`` the last
+    cos/sin); query heads are stored into ``Y [M, Hq·D]``, key and value heads into the caches'
+    ``[m, h, pos]`` rows (``pos`` read from ``POS``; nothing is written at or past
+    ``cache_len``). With ``ADVANCE`` the last
     program to finish (an int32 arrival counter, set back to 0 by it) raises ``POS`` by one."""
     pos = tl.load(POS)
     HB: tl.constexpr = acc.shape[0] // 2
@@ -211,7 +211,6 @@ def _decode_linear_kernel(
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # SWIGLU: the weight is [gate; up] (2N rows); this program also streams the up rows of its
     # columns, into a second accumulator.
-    PAIRED: tl.constexpr = SWIGLU
     u_ptr = W + (offs_n[:, None] + N).to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptr = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # xᵀ: [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -237,15 +236,15 @@ def _decode_linear_kernel(
         if RMS_IN:  # x's tile, not the weight's: the weight stream is left as it is
             xf = x.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
-        if PAIRED:
+        if SWIGLU:
             wu = tl.load(u_ptr + k0, mask=w_ok, other=0.0)
         if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
-            if PAIRED:
+            if SWIGLU:
                 acc_u += tl.dot(wu.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-            if PAIRED:
+            if SWIGLU:
                 acc_u = tl.dot(wu, x, acc_u)
     if SPLIT_K > 1:
         # Each slice of K stores its float32 partial; the stripe's last slice to finish (an
@@ -277,11 +276,9 @@ def _decode_linear_kernel(
         acc_u = acc_u * scale[None, :]
     if RMS_IN:  # the RMS norm of x itself: its weight is folded into the weight's columns
         acc = acc * tl.rsqrt(sq / K + eps)[None, :]
-        if PAIRED:
-            acc_u = acc_u * tl.rsqrt(sq / K + eps)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if PAIRED:
+        if SWIGLU:
             acc_u += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_u
