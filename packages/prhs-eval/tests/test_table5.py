@@ -475,3 +475,29 @@ def test_the_figure_keeps_one_bar_per_method_and_configuration(tmp_path, monkeyp
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
     table5_figure(points, tmp_path / "f.png")
     assert seen == labels and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_rows_say_how_a_step_was_timed():
+    """A CUDA row timed over the window shows its mean and its median step; a row timed by
+    do_bench's median before the window existed says so; eager rows have no median."""
+    from prhs_eval.throughput import TABLE5_HEAD, table5_rows
+
+    base = dict(shape="tiny", batch=2, context=256, method="prhs", tokens_per_s=2000.0,
+                floor_ms=0.5)  # fmt: skip
+    window = ThroughputPoint(**base, ms_per_step=1.25, ms_median=1.0, graph=True)
+    old = ThroughputPoint(**base, ms_per_step=1.0, graph=True)
+    eager = ThroughputPoint(**base, ms_per_step=3.0)
+    rows = table5_rows([window, old, eager])
+    ms, median = TABLE5_HEAD.index("ms/step"), TABLE5_HEAD.index("median ms")
+    assert [r[ms] for r in rows] == ["1.250", "1.000 (median)", "3.000"]
+    assert [r[median] for r in rows] == ["1.000", "—", "—"]
+    assert all(len(r) == len(TABLE5_HEAD) for r in rows)
+    assert ThroughputPoint.from_dict(window.as_dict()) == window
+
+
+def test_the_cpu_step_timer_has_no_median():
+    from prhs_eval.throughput import _time_step
+
+    calls = []
+    ms, median, graphed = _time_step(lambda: calls.append(1), torch.device("cpu"), 5)
+    assert ms >= 0 and median is None and graphed is False and len(calls) == 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prhs_kernels.timing import median_ms
+from prhs_kernels.timing import median_ms, window_ms
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
@@ -23,3 +23,32 @@ def test_median_ms_times_a_copy():
     assert 0 < ms < 100
     with pytest.raises(ValueError, match="rep_ms"):
         median_ms(lambda: None, rep_ms=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_window_ms_refuses_without_cuda():
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        window_ms(lambda: None, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_window_ms_counts_the_rare_expensive_call():
+    x = torch.empty(1 << 24, device="cuda")
+    y = torch.empty_like(x)
+    calls = []
+
+    def fn():  # every 8th call copies 16 times
+        calls.append(1)
+        for _ in range(16 if len(calls) % 8 == 0 else 1):
+            y.copy_(x)
+
+    w = window_ms(fn, 32, warmup=8)
+    assert len(w.per_call_ms) == 32 and len(calls) == 40
+    assert w.mean_ms > 1.5 * w.median_ms  # the median leaves the four long calls out
+    assert abs(sum(w.per_call_ms) / 32 - w.mean_ms) < 0.05 * w.mean_ms
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="calls"):
+            window_ms(fn, bad)
+    with pytest.raises(ValueError, match="warmup"):
+        window_ms(fn, 4, warmup=-1)

@@ -19,9 +19,12 @@ that floor (1.0 is a step that only streams what it must). The timed run keeps n
 (as a user's decode does not); they come from a second, untimed run of as many steps from the
 same cache.
 
-On CUDA a step is a graph replay timed by ``triton.testing.do_bench`` (median). Elsewhere the
-step runs eagerly and is timed by the wall clock (for tests and small checks; CPU figures are
-not throughput claims).
+On CUDA a step is a graph replay, and a point's figure is the mean step of a window of 132
+consecutive replays (four whole 33-step periods of CIS's anchor) timed by CUDA events: a
+selector that retrieves once in a while is charged for its retrieval steps as often as they
+run (the median step, kept beside it, would be a reuse step only). Elsewhere the step runs
+eagerly and is timed by the wall clock (for tests and small checks; CPU figures are not
+throughput claims).
 
 With ``compile`` the model's per-layer elementwise work -- the RMS norms, the MLP and the rotary
 embedding -- goes through ``torch.compile`` (one graph each, shared by every layer) before the
@@ -250,7 +253,8 @@ class ThroughputPoint:
     batch: int
     context: int
     method: str
-    ms_per_step: float | None = None
+    ms_per_step: float | None = None  # CUDA: the mean over a window of consecutive steps
+    ms_median: float | None = None  # that window's median step (None: eager, or an old row)
     tokens_per_s: float | None = None
     floor_ms: float | None = None
     vs_floor: float | None = None
@@ -896,32 +900,40 @@ def _count_steps(step: Callable[[], None], device: torch.device, steps: int) -> 
     del graph
 
 
-def _time_step(step: Callable[[], None], device: torch.device, steps: int) -> tuple[float, bool]:
-    """(ms per step, whether a CUDA graph ran it). ``steps``: the replays allowed (the cache's
-    headroom); two eager warm-up steps come first."""
+WINDOW_PERIOD = 33
+"""The timed window is a multiple of this many steps (when the headroom allows one): a CIS
+anchor is reused while it is at most ``n_local`` positions old (32 at the defaults), so with
+every query alike (``tau=-1``) a row retrieves once every 33 steps, and a window of whole
+periods counts each retrieval as often as it runs."""
+
+
+def _time_step(
+    step: Callable[[], None], device: torch.device, steps: int
+) -> tuple[float, float | None, bool]:
+    """(ms per step, the median step's ms or None, whether a CUDA graph ran it). ``steps``: the
+    replays allowed (the cache's headroom).
+
+    On CUDA: two eager warm-up steps, the capture, 8 replays of warm-up, then the longest
+    window of consecutive replays that is a multiple of :data:`WINDOW_PERIOD` steps and fits
+    the headroom, timed back to back by CUDA events (:func:`prhs_kernels.timing.window_ms`):
+    its mean is the figure, so a selector's periodic retrieval steps count as often as they
+    run (the median step would be a reuse step and leave them out)."""
     if device.type != "cuda":
         step()
         t0 = time.perf_counter()
         n = max(1, steps - 1)
         for _ in range(n):
             step()
-        return (time.perf_counter() - t0) / n * 1e3, False
-    from prhs_kernels.timing import median_ms
+        return (time.perf_counter() - t0) / n * 1e3, None, False
+    from prhs_kernels.timing import window_ms
 
     graph = _capture(step, device)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    est = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    # do_bench (median_ms) runs 5 estimation calls, then warmup/est and rep/est replays: stay
-    # in the cache's headroom.
-    budget = max(steps - 4 - 5, 4)
-    warm = max(1, budget // 8)
-    ms = median_ms(graph.replay, warmup_ms=warm * est, rep_ms=(budget - warm) * est * 0.8)
+    warm = 8
+    room = max(steps - 2 - warm, 1)
+    calls = room - room % WINDOW_PERIOD if room >= WINDOW_PERIOD else room
+    w = window_ms(graph.replay, calls, warmup=warm)
     del graph
-    return float(ms), True
+    return w.mean_ms, w.median_ms, True
 
 
 def _free(device: torch.device) -> None:
@@ -986,7 +998,7 @@ def _measure(
                         _count_steps(step, device, headroom)
                         summary = runtime.summary(cache)
                     else:
-                        ms, graphed = _time_step(step, device, headroom)
+                        ms, median, graphed = _time_step(step, device, headroom)
                 finally:
                     if runtime is not None:
                         runtime.disable()
@@ -995,7 +1007,7 @@ def _measure(
     except torch.OutOfMemoryError:
         p.skipped = "out of memory (its state and scratch on top of the K/V)"
         return p
-    p.ms_per_step, p.graph = ms, graphed
+    p.ms_per_step, p.ms_median, p.graph = ms, median, graphed
     p.tokens_per_s = b / (ms / 1e3)
     p.weight_bytes = weight_bytes(model, b)
     per_token = kv_bytes_per_token(config, next(model.parameters()).dtype)
@@ -1183,8 +1195,8 @@ def _run_points(
 
 
 TABLE5_HEAD = (
-    "shape", "B", "T", "method", "ms/step", "tokens/s", "× dense", "floor ms", "× floor",
-    "ρ̂ %", "KV+proxy GB/step", "state GB",
+    "shape", "B", "T", "method", "ms/step", "median ms", "tokens/s", "× dense", "floor ms",
+    "× floor", "ρ̂ %", "KV+proxy GB/step", "state GB",
 )  # fmt: skip
 
 
@@ -1203,8 +1215,11 @@ def table5_rows(points: Sequence[ThroughputPoint]) -> list[list[str]]:
         kv = None if p.kv_bytes_per_step is None else p.kv_bytes_per_step / 1e9
         state = None if p.state_bytes is None else p.state_bytes / 1e9
         method = point_label(p)
+        ms = _f(p.ms_per_step, ".3f")
+        if p.graph and p.ms_median is None:  # a row timed before the window: do_bench's median
+            ms += " (median)"
         rows.append([
-            p.shape, str(p.batch), str(p.context), method, _f(p.ms_per_step, ".3f"),
+            p.shape, str(p.batch), str(p.context), method, ms, _f(p.ms_median, ".3f"),
             _f(p.tokens_per_s, ".0f"), _f(p.speedup_vs_dense, ".2f"), _f(p.floor_ms, ".3f"),
             _f(p.vs_floor, ".2f"), _f(p.retrieval_ratio, ".1f"), _f(kv, ".2f"),
             _f(state, ".2f"),
