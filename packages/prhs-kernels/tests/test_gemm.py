@@ -283,4 +283,3 @@ def test_rope_reads_nothing_on_the_host_meta_tensors_run_through():
     a = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in _rope_inputs().items()}
     q = decode_linear_rope(a.pop("x"), **a, eps=1e-6)
     assert q.device.type == "meta" and q.shape == (2, 1, 32)
-

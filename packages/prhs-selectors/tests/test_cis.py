@@ -648,3 +648,44 @@ def test_certified_cis_on_cuda_with_a_bf16_cache(certificate):
         assert bool((worst <= plan.stats.delta_hat.double()).all())
         reused += int((~plan.stats.retrieved).sum())
     assert reused > 0
+
+
+@pytest.mark.parametrize("expansion", ["dilate", "random"])
+def test_each_anchor_keeps_the_union_its_reuses_copy(make_sim, expansion):
+    """Paper mode without ``rescore``: after every step, each anchor's ``anchor_union`` is
+    ``S_a ∪ dilate(S_a)`` of its list (what the Triton composition of a reusing row copies);
+    with ``rescore`` or a certificate the fields do not exist."""
+    from prhs_kernels.cis import anchor_union_reference
+
+    cfg = CISConfig(budget=12, n_sink=2, n_local=5, block_size=2, tau=0.8, n_den=2, r=2,
+                    rescore=0, expansion=expansion)  # fmt: skip
+    sel = CIS(cfg)
+    sim = make_sim([90, 61, 75], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                   max_new_tokens=16, seed=8)  # fmt: skip
+    state = sim.attach(sel)
+    pool = state.pool
+    m = 0 if expansion == "random" else sel.dilation_m()
+    assert sel.union_m() == m and pool["anchor_union"].shape[-1] == sel.anchor_width() + 4 * m
+    gen = torch.Generator().manual_seed(4)
+    retrieved = reused = 0
+    for step in range(16):
+        if step % 6 == 0:
+            q0 = torch.randn(3, 4, 16, generator=gen)
+        sim.queries[0] = q0 + 0.02 * torch.randn(3, 4, 16, generator=gen)
+        out = sim.select(0)
+        retrieved += int(out.stats.retrieved.sum())
+        reused += int((~out.stats.retrieved).sum())
+        live = pool["anchor_len"][:, 0] > 0
+        want, want_cnt = anchor_union_reference(
+            pool["anchor_idx"][:, 0], pool["anchor_cnt"][:, 0], m, cfg.r
+        )
+        assert live.any()
+        assert torch.equal(pool["anchor_union"][:, 0][live], want[live])
+        assert torch.equal(pool["anchor_ucnt"][:, 0][live], want_cnt[live])
+        sim.advance()
+    assert retrieved > 0 and reused > 0
+    for other in (CISConfig(budget=12, tau=0.8), CISConfig(budget=12, delta_max=0.1)):
+        s2 = CIS(other)
+        assert not s2.keeps_union()
+        st = make_sim([40], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=1).attach(s2)
+        assert "anchor_union" not in st.pool and "anchor_ucnt" not in st.pool

@@ -260,21 +260,28 @@ def test_fixed_tau_needs_no_prompt():
     assert math.isclose(selectors.create("cis", rescore=0).config.auto_target_rho, 0.28)
 
 
+@pytest.mark.parametrize("rescore", [None, 0])
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_the_prompts_last_query_becomes_the_anchor(block_size):
+def test_the_prompts_last_query_becomes_the_anchor(block_size, rescore):
     """After the calibration a row's anchor is what a retrieval by the prompt's last query
-    stores, so the first decode step can reuse it."""
+    stores, so the first decode step can reuse it (without ``rescore``, its union too: what
+    the Triton composition of a reuse copies)."""
     n, w = 150, 12
     queries, keys = _prompt(7, w=w, n=n)
     kv = ContiguousKV(keys[None], keys[None], torch.tensor([n], dtype=torch.int32))
-    seeded, state = _auto_cis(prompt_queries=w, block_size=block_size)
+    seeded, state = _auto_cis(prompt_queries=w, block_size=block_size, rescore=rescore)
     for layer in range(3):
         seeded.observe_prompt(state, layer, [1], queries[None], kv, 0.25)
-    fresh, ref = _auto_cis(tau=0.8, block_size=block_size)  # no anchor yet: it retrieves
+    fresh, ref = _auto_cis(tau=0.8, block_size=block_size, rescore=rescore)  # it retrieves
     plan = fresh.make_plan(ref, batch_size=1, scaling=0.25, checked=True)
     plan.update(torch.tensor([n], dtype=torch.int32), torch.tensor([1]))
     fresh.select(plan, 2, queries[-1:], kv, ref)
-    for field in ("anchor_q", "anchor_len", "anchor_idx", "anchor_cnt"):
+    fields = ["anchor_q", "anchor_len", "anchor_idx", "anchor_cnt"]
+    if rescore == 0:
+        fields += ["anchor_union", "anchor_ucnt"]
+        assert int(ref.pool["anchor_ucnt"][1, 2].min()) > 0
+    assert ("anchor_union" in state.pool) is (rescore == 0)
+    for field in fields:
         assert torch.equal(state.pool[field][1, 2], ref.pool[field][1, 2]), field
     assert torch.all(state.pool["anchor_len"][0] == 0)  # other slots untouched
     # The next decode step, one token on, reuses wherever its query stays close.

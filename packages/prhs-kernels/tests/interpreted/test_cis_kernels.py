@@ -10,6 +10,7 @@ import torch
 
 from prhs_kernels import paths
 from prhs_kernels.cis import (
+    anchor_union_reference,
     cis_compose,
     cis_decide,
     cis_local_width,
@@ -293,6 +294,68 @@ def test_compose_matches_the_reference(s, n_sink, n_local, m_blocks, m, r, hold)
     assert torch.equal(gi[rows], wi[rows])  # ascending and distinct, -1 past the count
     for got, want in zip(gs, ws_, strict=True):
         assert torch.equal(got[live], want[live])
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize(
+    ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
+    [
+        (8, 4, 32, 12, 4, 1),
+        (1, 2, 6, 10, 3, 2),
+        (4, 0, 0, 5, 5, 1),
+        (16, 40, 3, 6, 2, 0),
+        (4, 2, 8, 6, 0, 2),
+        (2, 3, 5, 9, 9, 3),  # every entry dilated, neighbours overlapping each other
+    ],
+)
+def test_compose_with_the_anchors_union_copies_it_on_reuse(
+    s, n_sink, n_local, m_blocks, m, r, hold
+):
+    """With ``anchor_union``, a reusing row's selection is copied from its anchor's union, not
+    sorted from its list: the list of every reusing row's anchor is overwritten with junk
+    first and the selection is still the reference's (computed from the intact list); the
+    retrieving rows store the union the reference stores, and everything else is as without."""
+    query, retrieve, bad, new_idx, new_scores, state, slots, lens, width = _compose_case(
+        2 * s + m + r, s, n_sink, n_local, m_blocks, m, r, hold
+    )
+    aq, alen, aidx, acnt, alogd = state
+    union, u_cnt = anchor_union_reference(aidx, acnt, m, r)
+    ref_state = (*(t.clone() for t in state), union.clone(), u_cnt.clone())
+    want_idx = torch.full((5, 2, width), 12345, dtype=torch.int32)
+    want_cnt = torch.full((5, 2), 12345, dtype=torch.int32)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r, hold_local=hold)
+    cis_compose(
+        query, retrieve, bad, new_idx, new_scores, *ref_state[:5], slots, lens, **kw,
+        out_indices=want_idx, out_counts=want_cnt, anchor_union=ref_state[5],
+        anchor_union_cnt=ref_state[6], path="torch",
+    )  # fmt: skip
+    junk = aidx.clone()
+    reusing = slots[(~retrieve & ~bad).any(-1)]
+    junk[reusing] = torch.randint(0, 50, junk[reusing].shape, dtype=torch.int32)
+    got_state = (aq.clone(), alen.clone(), junk, acnt.clone(), alogd.clone(), union.clone(),
+                 u_cnt.clone())  # fmt: skip
+    got_idx = torch.full_like(want_idx, 12345)
+    got_cnt = torch.full_like(want_cnt, 12345)
+    cis_compose(
+        query, retrieve, bad, new_idx, new_scores, *got_state[:5], slots, lens, **kw,
+        out_indices=got_idx, out_counts=got_cnt, anchor_union=got_state[5],
+        anchor_union_cnt=got_state[6], path=PATH,
+    )  # fmt: skip
+    rows, live = torch.tensor([0, 1, 3]), torch.tensor([3, 0, 1])  # slot 6 is shared: noise
+    assert torch.equal(got_cnt[rows], want_cnt[rows])
+    assert torch.equal(got_idx[rows], want_idx[rows])
+    for i, (got, want) in enumerate(zip(got_state, ref_state, strict=True)):
+        if i == 2:  # the list: rewritten where a row retrieved, else the junk put there
+            fresh = retrieve[rows]
+            assert torch.equal(got[live][fresh], want[live][fresh])
+            continue
+        assert torch.equal(got[live], want[live]), i
+    # The union a retrieval stored is the reference's of the list it stored.
+    again, again_cnt = anchor_union_reference(got_state[2], got_state[3], m, r)
+    fresh = retrieve[rows]
+    assert fresh.any() and (~retrieve[rows] & ~bad[rows]).any()  # both kinds of row are here
+    assert torch.equal(got_state[5][live][fresh], again[live][fresh])
+    assert torch.equal(got_state[6][live][fresh], again_cnt[live][fresh])
 
 
 @pytest.mark.parametrize(

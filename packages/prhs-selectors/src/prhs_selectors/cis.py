@@ -57,6 +57,7 @@ from prhs_core.theory import (
 )
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.cis import (
+    anchor_union_reference,
     check_block_score,
     cis_compose,
     cis_decide,
@@ -418,6 +419,20 @@ class CIS(BaseSelector):
         """``m = ⌊(k/s) / n_den⌋``: how many of the anchor's top blocks are dilated."""
         return self.budget_blocks() // self.config.n_den
 
+    def union_m(self) -> int:
+        """The ``m`` a composition dilates: :meth:`dilation_m`, or 0 under RandomExpansion
+        (which adds its random blocks after composing)."""
+        c = self.config
+        random = c.expansion == "random" and c.r * self.dilation_m() > 0
+        return 0 if random else self.dilation_m()
+
+    def keeps_union(self) -> bool:
+        """Whether each anchor also stores its reuses' ``S_a ∪ dilate(S_a)`` (the fields
+        ``anchor_union`` / ``anchor_ucnt``), which the Triton composition of a reusing row
+        copies instead of sorting: paper mode without ``rescore`` (which rewrites the list at
+        every reuse)."""
+        return not self.config.certified and not self.rescore_blocks()
+
     def selection_width(self) -> int:
         c = self.config
         ws, _ = self.window_widths()
@@ -466,6 +481,10 @@ class CIS(BaseSelector):
         pool.add_field("anchor_cnt", (n_l, h), torch.int32, 0)
         if self.rescore_blocks():
             pool.add_field("anchor_next", (n_l, h, self.rescore_blocks()), torch.int32, -1)
+        if self.keeps_union():
+            width = m + 2 * self.config.r * self.union_m()
+            pool.add_field("anchor_union", (n_l, h, width), torch.int32, -1)
+            pool.add_field("anchor_ucnt", (n_l, h), torch.int32, 0)
         if self.config.certified:
             # Per query head: the certificate bounds each head's dropped mass.
             pool.add_field("anchor_log_delta", (n_l, h, g), torch.float64, 0.0)
@@ -632,6 +651,13 @@ class CIS(BaseSelector):
                 pool["anchor_len"][slot, layer] = n
                 pool["anchor_idx"][slot, layer] = top.to(pool.device, torch.int32)
                 pool["anchor_cnt"][slot, layer] = (top >= 0).sum(-1).to(pool.device, torch.int32)
+                if self.keeps_union():  # what the reuses of this anchor copy
+                    union, u_cnt = anchor_union_reference(
+                        pool["anchor_idx"][slot, layer], pool["anchor_cnt"][slot, layer],
+                        self.union_m(), self.config.r,
+                    )  # fmt: skip
+                    pool["anchor_union"][slot, layer] = union
+                    pool["anchor_ucnt"][slot, layer] = u_cnt
                 if self.rescore_blocks():
                     pool["anchor_next"][slot, layer] = after.to(pool.device, torch.int32)
         if layer == max(spec.selectable_layers):
@@ -715,6 +741,10 @@ class CIS(BaseSelector):
                 new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         sel = plan.selection
         random = c.expansion == "random" and c.r * self.dilation_m() > 0
+        union = {}
+        if self.keeps_union():
+            union = dict(anchor_union=pool["anchor_union"][:, layer],
+                         anchor_union_cnt=pool["anchor_ucnt"][:, layer])  # fmt: skip
         if random:  # compose without dilation, then add the random blocks
             n_extra = 2 * c.r * self.dilation_m()
             out_idx = sel.indices.new_empty((*sel.indices.shape[:-1], sel.width - n_extra))
@@ -734,12 +764,13 @@ class CIS(BaseSelector):
             n_sink=c.n_sink,
             n_local=c.n_local,
             block_size=c.block_size,
-            m=0 if random else self.dilation_m(),
+            m=self.union_m(),
             r=c.r,
             out_indices=out_idx,
             out_counts=out_cnt,
             hold_local=c.hold_local,
             any_retrieve=state.retrieving,
+            **union,
             path=path,
         )
         if random:

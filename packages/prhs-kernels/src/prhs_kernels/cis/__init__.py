@@ -9,7 +9,8 @@
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
   that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
-  anchor's did (:func:`cis_local_width` gives the wider static width);
+  anchor's did (:func:`cis_local_width` gives the wider static width); with the anchors' union
+  fields (:func:`anchor_union_reference`) a reusing row's selection is copied, not sorted;
 - :func:`cis_rescore` -- (the selector's ``rescore`` option) a reusing row's anchor pool, its
   list and the next-best blocks of the same retrieval, re-ranked at the current query from the
   keys of the pool and the windows only: the best ``M`` become the list the reuse reads.
@@ -27,6 +28,7 @@ import torch
 from prhs_core.checks import check_bool_mask, check_flag, check_int, check_shape
 from prhs_core.layout import KVLayout
 from prhs_kernels.cis.reference import (
+    anchor_union_reference,
     block_eligible_reference,
     cis_compose_reference,
     cis_decide_reference,
@@ -41,6 +43,7 @@ from prhs_kernels.topk import topk_indices
 
 __all__ = [
     "BLOCK_SCORES",
+    "anchor_union_reference",
     "block_eligible_reference",
     "check_block_score",
     "cis_compose",
@@ -308,13 +311,23 @@ def cis_compose(
     out_counts: torch.Tensor,
     hold_local: bool = False,
     any_retrieve: torch.Tensor | None = None,
+    anchor_union: torch.Tensor | None = None,
+    anchor_union_cnt: torch.Tensor | None = None,
     path: str = "torch",
 ) -> None:
     """Write the selection into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` and make
     the retrieving rows anchors (see :func:`.reference.cis_compose_reference`). ``W`` must be
     ``ws + M + 2·r·m + wl``: the widths of the sink window, the anchor list, its dilation and
     the local window (``wl`` from :func:`cis_local_width`). ``any_retrieve``: the flag
-    :func:`cis_decide` set, cleared here (its retrieval is consumed)."""
+    :func:`cis_decide` set, cleared here (its retrieval is consumed).
+
+    ``anchor_union [N, Hkv, M + 2·r·m]`` / ``anchor_union_cnt [N, Hkv]`` (int32, one layer's
+    anchor fields, both or neither): each anchor's ``S_a ∪ dilate(S_a)``, ascending and
+    distinct (:func:`anchor_union_reference`), written by the retrieving rows. On the Triton
+    path a reusing row then copies it between its windows instead of sorting its candidates
+    (the selection is the same); so whatever else writes an anchor's list (a seeded anchor)
+    must write its union too, and a list re-ranked at every reuse (:func:`cis_rescore`) must
+    not be composed with them."""
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     mm = anchor_idx.shape[-1]
@@ -333,7 +346,21 @@ def cis_compose(
         raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
     if any_retrieve is not None:
         check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
+    if (anchor_union is None) != (anchor_union_cnt is None):
+        raise ValueError("anchor_union and anchor_union_cnt go together: give both or neither")
+    if anchor_union is not None and anchor_union_cnt is not None:
+        n = anchor_len.shape[0]
+        for name, t, shape in (
+            ("anchor_union", anchor_union, (n, h, mm + 2 * r * m)),
+            ("anchor_union_cnt", anchor_union_cnt, (n, h)),
+        ):
+            if tuple(t.shape) != shape or t.dtype != torch.int32 or t.device != query.device:
+                raise ValueError(
+                    f"{name} must be int32 {list(shape)} ([N, Hkv] + the union's M + 2·r·m) on "
+                    f"{query.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                )
     announce("cis_compose", path, query.device)
+    union = dict(anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt)
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
     args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
     kw = dict(
@@ -343,11 +370,11 @@ def cis_compose(
         from prhs_kernels.cis.triton import cis_compose_triton
 
         cis_compose_triton(
-            *args, **kw, out_indices=out_indices, out_counts=out_counts, windows=(ws, wl),
-            any_retrieve=any_retrieve,
+            *args, **kw, **union, out_indices=out_indices, out_counts=out_counts,
+            windows=(ws, wl), any_retrieve=any_retrieve,
         )  # fmt: skip
         return
-    cis_compose_reference(*args, **kw, out_indices=out_indices, out_counts=out_counts)
+    cis_compose_reference(*args, **kw, **union, out_indices=out_indices, out_counts=out_counts)
     if any_retrieve is not None:
         any_retrieve.zero_()
 

@@ -19,6 +19,7 @@ from prhs_kernels.kv.reference import gather_kv_reference
 from prhs_kernels.score.reference import nonfinite_rows
 
 __all__ = [
+    "anchor_union_reference",
     "block_eligible_reference",
     "cis_compose_reference",
     "cis_decide_reference",
@@ -131,6 +132,30 @@ def held_local_indices(
     return torch.where(ok, ids, -1).to(torch.int32)
 
 
+def anchor_union_reference(
+    anchor_idx: torch.Tensor, anchor_cnt: torch.Tensor, m: int, r: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(union [..., M + 2·r·m] int32, count [...] int32)``: what every reuse of an anchor
+    reads besides its windows, ``S_a ∪ dilate(S_a)`` (the first ``anchor_cnt`` entries of the
+    list ``anchor_idx [..., M]`` and the ``±1 .. ±r`` neighbours of its first ``m``, none below
+    0), ascending and distinct, ``-1`` past the count. Not cut at any sequence's end: a reuse
+    keeps the entries below its own."""
+    mm = anchor_idx.shape[-1]
+    used = torch.arange(mm, device=anchor_idx.device) < anchor_cnt.unsqueeze(-1)
+    cand = torch.cat(
+        [torch.where(used, anchor_idx, -1), dilate_indices(anchor_idx, anchor_cnt, m, r)], -1
+    ).long()
+    big = torch.iinfo(torch.int64).max
+    x = torch.sort(torch.where(cand >= 0, cand, big), dim=-1).values
+    prev = torch.nn.functional.pad(x[..., :-1], (1, 0), value=-1)
+    keep = (x != big) & (x != prev)
+    x = torch.sort(torch.where(keep, x, big), dim=-1).values
+    width = mm + 2 * r * m
+    x = torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=big)[..., :width]
+    union = torch.where(x == big, -1, x).to(torch.int32)
+    return union, keep.sum(-1).to(torch.int32)
+
+
 def cis_compose_reference(
     query: torch.Tensor,
     retrieve: torch.Tensor,
@@ -153,6 +178,8 @@ def cis_compose_reference(
     out_indices: torch.Tensor,
     out_counts: torch.Tensor,
     hold_local: bool = False,
+    anchor_union: torch.Tensor | None = None,
+    anchor_union_cnt: torch.Tensor | None = None,
 ) -> None:
     """Write each row's selection and update the anchors of the rows that retrieve.
 
@@ -167,6 +194,11 @@ def cis_compose_reference(
     ``max(min(t_a, t) − n_local, 0)``, and runs to the end (``wl`` blocks at most, the width of
     :func:`prhs_kernels.cis.cis_local_width`): the anchor's list was chosen outside the anchor's
     window, so the positions that slide out of the window during the anchor's life stay read.
+
+    ``anchor_union [N, Hkv, M + 2·r·m]`` / ``anchor_union_cnt [N, Hkv]`` (int32, both or
+    neither): a retrieving row also stores its reuses' ``S_a ∪ dilate(S_a)``
+    (:func:`anchor_union_reference`), which the Triton kernel's reusing rows copy instead of
+    sorting the candidates again; this reference reads it nowhere.
     """
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -196,6 +228,10 @@ def cis_compose_reference(
     anchor_log_delta[slots] = torch.where(rr, 0.0, anchor_log_delta[slots]).to(
         anchor_log_delta.dtype
     )
+    if anchor_union is not None and anchor_union_cnt is not None:
+        union, u_cnt = anchor_union_reference(new, new_cnt, m, r)
+        anchor_union[slots] = torch.where(rr.unsqueeze(-1), union, anchor_union[slots])
+        anchor_union_cnt[slots] = torch.where(rr, u_cnt, anchor_union_cnt[slots])
 
 
 def rescore_pool(

@@ -14,7 +14,9 @@
   8192 blocks, in two above (each chunk's winners, then theirs).
 - ``_compose_kernel``, one program per (sequence, KV head): the row's candidate list (sink,
   the new or the anchor's list with its dilation, local), sorted, made distinct and written as
-  the selection; a retrieving row also becomes the anchor.
+  the selection; a retrieving row also becomes the anchor (and, with the union fields, stores
+  ``S_a ∪ dilate(S_a)`` sorted, which its reusing rows then copy between the windows without
+  sorting).
 
 No value is read on the host and every shape is static, so the step can be captured in a CUDA
 graph.
@@ -241,6 +243,21 @@ def _block_scores_kernel(
             tl.store(fill, tl.full([FILL_BLOCKS], float("-inf"), tl.float32), mask=jf < n_blocks)
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _sorted_distinct(x, SCRATCH_ROW, BLOCK: tl.constexpr):
+    """``(x sorted ascending, keep, rank, count)`` for ``x [BLOCK]`` int32 whose empty lanes
+    hold int32's largest value: ``keep`` marks each distinct value's first lane, ``rank`` its
+    place among them (through ``SCRATCH_ROW``, this program's ``BLOCK`` int32 lanes)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.sort(x)
+    tl.store(SCRATCH_ROW + offs, x)
+    tl.debug_barrier()
+    prev = tl.load(SCRATCH_ROW + offs - 1, mask=offs > 0, other=-1)
+    keep = (x < 2147483647) & (x != prev)
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+    return x, keep, rank, tl.sum(keep.to(tl.int32), 0)
+
+
 def _compose_kernel(
     Q,
     RETRIEVE,
@@ -252,6 +269,8 @@ def _compose_kernel(
     AIDX,
     ACNT,
     ALOGD,
+    AUNION,
+    AUCNT,
     SLOTS,
     LENS,
     OUT_IDX,
@@ -271,6 +290,10 @@ def _compose_kernel(
     stride_acnt_h,
     stride_alogd_n,
     stride_alogd_h,
+    stride_un_n,
+    stride_un_h,
+    stride_uc_n,
+    stride_uc_h,
     stride_oi_b,
     stride_oi_h,
     n_sink,
@@ -290,9 +313,11 @@ def _compose_kernel(
     WL: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_U: tl.constexpr,
     BS: tl.constexpr,
     HOLD: tl.constexpr,
     HAS_ANY: tl.constexpr,
+    UNION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
@@ -305,65 +330,84 @@ def _compose_kernel(
     bad = tl.load(BAD + pid) != 0
     nb_seq = (seq + BS - 1) // BS
     big = 2147483647
-
-    # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W slots.
     w = tl.arange(0, BLOCK_W)
-    cand = tl.full([BLOCK_W], -1, tl.int32)
+    out = OUT_IDX + b.to(tl.int64) * stride_oi_b + h * stride_oi_h
+    scratch = SCRATCH + pid.to(tl.int64) * BLOCK_W
     # sink: blocks 0 .. ceil(min(seq, n_sink) / s) - 1
     sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
-    cand = tl.where((w < WS) & (w < sink_end), w, cand)
     # local: first = max(seq - n_local, 0) // s, WL blocks from there; with HOLD, a reusing
     # row's window starts where its anchor's did
-    lo_w = WS + M + 2 * R * DIL_M
     first = tl.maximum(seq - n_local, 0) // BS
     if HOLD:
         ta = tl.load(ALEN + slot * stride_alen_n + h * stride_alen_h)
         held = tl.maximum(tl.minimum(ta, seq) - n_local, 0) // BS
         first = tl.where(retrieve | bad, first, held)
-    li = w - lo_w
-    cand = tl.where((li >= 0) & (li < WL) & (seq > 0), first + li, cand)
-    # the list: the new top blocks (retrieval) or the anchor's (reuse)
-    k = w - WS
-    in_list = (k >= 0) & (k < M)
     a_base = AIDX + slot * stride_aidx_n + h * stride_aidx_h
-    a_cnt = tl.load(ACNT + slot * stride_acnt_n + h * stride_acnt_h)
     new_base = pid.to(tl.int64) * NEW_M
-    kk = tl.where(in_list, k, 0)
-    if retrieve:
-        new_ok = in_list & (k < NEW_M)
-        nid = tl.load(NEW_IDX + new_base + kk, mask=new_ok, other=-1)
-        nsc = tl.load(NEW_SCORES + new_base + kk, mask=new_ok, other=float("-inf"))
-        cand = tl.where(new_ok & (nsc > float("-inf")), nid, cand)
+    u_base = AUNION + slot * stride_un_n + h * stride_un_h
+    copy = False
+    if UNION:
+        copy = (~retrieve) & (~bad)
+    if copy:
+        # A reuse with its anchor's union U = S_a ∪ dilate(S_a) stored ascending and distinct:
+        # the selection is the sink range, the entries of U outside both windows (below the
+        # sequence's end) and the local range, each lane's place computed, nothing sorted.
+        u_cnt = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
+        offs_u = tl.arange(0, BLOCK_U)
+        x = tl.load(u_base + offs_u, mask=offs_u < u_cnt, other=big)
+        l_end = tl.minimum(first + WL, nb_seq)  # the local range: [first, l_end)
+        l0 = tl.maximum(first, sink_end)  # where its part outside the sink starts
+        n_loc = tl.maximum(l_end - l0, 0)
+        keep = (x >= sink_end) & (x < nb_seq) & ((x < first) | (x >= l_end))
+        before = tl.cumsum(keep.to(tl.int32), 0) - 1  # kept entries before this one
+        below_local = tl.minimum(tl.maximum(tl.minimum(x, l_end) - l0, 0), n_loc)
+        c_lo = tl.sum((keep & (x < first)).to(tl.int32), 0)  # kept entries below the window
+        count = sink_end + tl.sum(keep.to(tl.int32), 0) + n_loc
+        j = w - sink_end - c_lo  # this lane's place in the local range's part
+        in_loc = (j >= 0) & (j < n_loc)
+        val = tl.where(w < sink_end, w, tl.where(in_loc, l0 + j, -1))
+        tl.store(out + w, val, mask=((w < sink_end) | in_loc | (w >= count)) & (w < WIDTH))
+        tl.store(out + sink_end + before + below_local, x, mask=keep)
+        tl.store(OUT_CNT + pid, count)
     else:
-        aid = tl.load(a_base + kk, mask=in_list & (k < a_cnt), other=-1)
-        cand = tl.where(in_list & (k < a_cnt), aid, cand)
-        # dilation: entry e (< m, < count) of the anchor list gives p + j and p - j, 1 <= j <= r
-        dk = w - (WS + M)
-        in_dil = (dk >= 0) & (dk < 2 * R * DIL_M)
-        e = tl.where(in_dil, dk // R2, 0)
-        jr = tl.where(in_dil, dk % R2, 0)
-        off = tl.where(jr < R, jr + 1, -(jr - R + 1))
-        p = tl.load(a_base + e, mask=in_dil & (e < a_cnt), other=-1)
-        dil = tl.where(p >= 0, p + off, -1)
-        cand = tl.where(in_dil & (e < a_cnt) & (p >= 0) & (dil >= 0), dil, cand)
-    list_end = WS + M + 2 * R * DIL_M
-    if bad:
-        cand = tl.where((w >= WS) & (w < list_end), -1, cand)
-
-    # Union: keep ids in [0, nb_seq), sort, drop repeats, write ascending.
-    x = tl.where((cand >= 0) & (cand < nb_seq) & (w < WIDTH), cand, big)
-    x = tl.sort(x)
-    scratch = SCRATCH + pid.to(tl.int64) * BLOCK_W
-    tl.store(scratch + w, x)
-    tl.debug_barrier()
-    prev = tl.load(scratch + w - 1, mask=w > 0, other=-1)
-    keep = (x < big) & (x != prev)
-    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
-    count = tl.sum(keep.to(tl.int32), 0)
-    out = OUT_IDX + b.to(tl.int64) * stride_oi_b + h * stride_oi_h
-    tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < WIDTH))
-    tl.store(out + rank, x, mask=keep)
-    tl.store(OUT_CNT + pid, count)
+        # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W.
+        cand = tl.full([BLOCK_W], -1, tl.int32)
+        cand = tl.where((w < WS) & (w < sink_end), w, cand)
+        lo_w = WS + M + 2 * R * DIL_M
+        li = w - lo_w
+        cand = tl.where((li >= 0) & (li < WL) & (seq > 0), first + li, cand)
+        # the list: the new top blocks (retrieval) or the anchor's (reuse)
+        k = w - WS
+        in_list = (k >= 0) & (k < M)
+        a_cnt = tl.load(ACNT + slot * stride_acnt_n + h * stride_acnt_h)
+        kk = tl.where(in_list, k, 0)
+        if retrieve:
+            new_ok = in_list & (k < NEW_M)
+            nid = tl.load(NEW_IDX + new_base + kk, mask=new_ok, other=-1)
+            nsc = tl.load(NEW_SCORES + new_base + kk, mask=new_ok, other=float("-inf"))
+            cand = tl.where(new_ok & (nsc > float("-inf")), nid, cand)
+        else:
+            aid = tl.load(a_base + kk, mask=in_list & (k < a_cnt), other=-1)
+            cand = tl.where(in_list & (k < a_cnt), aid, cand)
+            # dilation: entry e (< m, < count) of the anchor list gives p + j and p - j,
+            # 1 <= j <= r
+            dk = w - (WS + M)
+            in_dil = (dk >= 0) & (dk < 2 * R * DIL_M)
+            e = tl.where(in_dil, dk // R2, 0)
+            jr = tl.where(in_dil, dk % R2, 0)
+            off = tl.where(jr < R, jr + 1, -(jr - R + 1))
+            p = tl.load(a_base + e, mask=in_dil & (e < a_cnt), other=-1)
+            dil = tl.where(p >= 0, p + off, -1)
+            cand = tl.where(in_dil & (e < a_cnt) & (p >= 0) & (dil >= 0), dil, cand)
+        list_end = WS + M + 2 * R * DIL_M
+        if bad:
+            cand = tl.where((w >= WS) & (w < list_end), -1, cand)
+        # Union: keep ids in [0, nb_seq), sort, drop repeats, write ascending.
+        x = tl.where((cand >= 0) & (cand < nb_seq) & (w < WIDTH), cand, big)
+        x, keep, rank, count = _sorted_distinct(x, scratch, BLOCK_W)
+        tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < WIDTH))
+        tl.store(out + rank, x, mask=keep)
+        tl.store(OUT_CNT + pid, count)
 
     # A retrieving row becomes the anchor.
     if retrieve:
@@ -383,9 +427,39 @@ def _compose_kernel(
         nid = tl.load(NEW_IDX + new_base + mk, mask=m_ok & (mi < NEW_M), other=-1)
         nsc = tl.load(NEW_SCORES + new_base + mk, mask=m_ok & (mi < NEW_M), other=float("-inf"))
         valid = nsc > float("-inf")
+        n_new = tl.sum(valid.to(tl.int32), 0)
         tl.store(a_base + mi, tl.where(valid, nid, -1), mask=m_ok)
-        tl.store(ACNT + slot * stride_acnt_n + h * stride_acnt_h, tl.sum(valid.to(tl.int32), 0))
+        tl.store(ACNT + slot * stride_acnt_n + h * stride_acnt_h, n_new)
         tl.store(ALOGD + slot * stride_alogd_n + h * stride_alogd_h, 0.0)
+        if UNION:
+            # ... and stores the union its reuses copy: the list's first n_new entries (as the
+            # list is stored: -1 where a score is -inf) and the neighbours of its first DIL_M.
+            uw = tl.arange(0, BLOCK_U)
+            in_l = uw < M
+            lk = tl.where(in_l & (uw < NEW_M), uw, 0)
+            l_ok = in_l & (uw < NEW_M) & (uw < n_new)
+            lid = tl.load(NEW_IDX + new_base + lk, mask=l_ok, other=-1)
+            lsc = tl.load(NEW_SCORES + new_base + lk, mask=l_ok, other=float("-inf"))
+            ucand = tl.where(l_ok & (lsc > float("-inf")), lid, -1)
+            dk = uw - M
+            in_dil = (dk >= 0) & (dk < 2 * R * DIL_M)
+            e = tl.where(in_dil, dk // R2, 0)
+            jr = tl.where(in_dil, dk % R2, 0)
+            off = tl.where(jr < R, jr + 1, -(jr - R + 1))
+            e_ok = in_dil & (e < n_new) & (e < NEW_M)
+            pid_e = tl.load(NEW_IDX + new_base + e, mask=e_ok, other=-1)
+            psc = tl.load(NEW_SCORES + new_base + e, mask=e_ok, other=float("-inf"))
+            p = tl.where(psc > float("-inf"), pid_e, -1)
+            dil = tl.where(p >= 0, p + off, -1)
+            ucand = tl.where(e_ok & (p >= 0) & (dil >= 0), dil, ucand)
+            ux = tl.where(ucand >= 0, ucand, big)
+            tl.debug_barrier()  # the selection's sort is done with this program's scratch
+            ux, ukeep, urank, ucount = _sorted_distinct(ux, scratch, BLOCK_U)
+            u_w = M + 2 * R * DIL_M
+            u_pad = (uw >= ucount) & (uw < u_w)
+            tl.store(u_base + uw, tl.full([BLOCK_U], -1, tl.int32), mask=u_pad)
+            tl.store(u_base + urank, ux, mask=ukeep)
+            tl.store(AUCNT + slot * stride_uc_n + h * stride_uc_h, ucount)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -750,6 +824,8 @@ def cis_compose_triton(
     windows: tuple[int, int],
     hold_local: bool = False,
     any_retrieve: torch.Tensor | None = None,
+    anchor_union: torch.Tensor | None = None,
+    anchor_union_cnt: torch.Tensor | None = None,
 ) -> None:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -763,11 +839,14 @@ def cis_compose_triton(
     new_scores = new_scores.contiguous()
     if out_indices.stride(-1) != 1 or not out_counts.is_contiguous():
         raise ValueError("the selection's buffers must be contiguous")
+    union = anchor_union is not None and anchor_union_cnt is not None
+    u_idx = anchor_union if union else anchor_idx  # not read without UNION
+    u_cnt = anchor_union_cnt if union else anchor_cnt
     _, _, compose, _ = _kernels(interpreting())
     compose[(b * h,)](
         query, retrieve.contiguous().view(torch.int8), bad.contiguous().view(torch.int8),
         new_idx, new_scores, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta,
-        slots, seq_lens, out_indices, out_counts, scratch,
+        u_idx, u_cnt, slots, seq_lens, out_indices, out_counts, scratch,
         any_retrieve.view(torch.int8) if any_retrieve is not None else scratch,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
@@ -775,11 +854,13 @@ def cis_compose_triton(
         anchor_idx.stride(0), anchor_idx.stride(1),
         anchor_cnt.stride(0), anchor_cnt.stride(1),
         anchor_log_delta.stride(0), anchor_log_delta.stride(1),
+        u_idx.stride(0), u_idx.stride(1), u_cnt.stride(0), u_cnt.stride(1),
         out_indices.stride(0), out_indices.stride(1),
         n_sink, n_local,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
-        BLOCK_W=block_w, BS=block_size, HOLD=hold_local, HAS_ANY=any_retrieve is not None,
+        BLOCK_W=block_w, BLOCK_U=_pow2(mm + 2 * r * m, 16), BS=block_size, HOLD=hold_local,
+        HAS_ANY=any_retrieve is not None, UNION=union,
         num_warps=_compose_warps(block_w),
     )  # fmt: skip
 

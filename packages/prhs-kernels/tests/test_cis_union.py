@@ -1,0 +1,102 @@
+"""The anchor union a CIS retrieval stores for its reuses (``anchor_union_reference``) and
+``cis_compose``'s union fields on the torch path (the Triton kernel's copy of it is tested under
+the interpreter, ``interpreted/test_cis_kernels.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels.cis import anchor_union_reference, cis_compose, cis_local_width
+from prhs_kernels.compose import window_widths
+
+
+def _brute(idx, cnt, m, r):
+    """The union by Python sets: the first ``cnt`` entries and the ``±1..±r`` neighbours of
+    the first ``min(m, cnt)``, none below 0."""
+    out = set()
+    for e in range(int(cnt)):
+        p = int(idx[e])
+        if p < 0:
+            continue
+        out.add(p)
+        if e < m:
+            out.update(q for j in range(1, r + 1) for q in (p + j, p - j) if q >= 0)
+    return sorted(out)
+
+
+@pytest.mark.parametrize(("mm", "m", "r"), [(6, 2, 1), (5, 5, 2), (4, 0, 3), (7, 3, 0), (1, 1, 4)])
+def test_the_union_is_the_sorted_distinct_list_and_its_dilation(mm, m, r):
+    gen = torch.Generator().manual_seed(mm * 10 + m + r)
+    idx = torch.randint(0, 12, (3, 4, mm), generator=gen, dtype=torch.int32)
+    idx[0, 0, 1:] = -1  # a list of one, then none
+    cnt = torch.randint(0, mm + 1, (3, 4), generator=gen, dtype=torch.int32)
+    cnt[0, 0] = 1
+    union, count = anchor_union_reference(idx, cnt, m, r)
+    assert union.shape == (3, 4, mm + 2 * r * m) and union.dtype == torch.int32
+    for i in range(3):
+        for j in range(4):
+            want = _brute(idx[i, j], cnt[i, j], m, r)
+            assert int(count[i, j]) == len(want)
+            assert union[i, j, : len(want)].tolist() == want
+            assert (union[i, j, len(want) :] == -1).all()
+
+
+def _case():
+    b, h, g, d, n, mm, s = 2, 2, 2, 8, 3, 4, 8
+    gen = torch.Generator().manual_seed(3)
+    state = (
+        torch.randn(n, h, g, d, generator=gen),
+        torch.full((n, h), 100, dtype=torch.int32),
+        torch.randint(0, 12, (n, h, mm), generator=gen, dtype=torch.int32),
+        torch.full((n, h), mm, dtype=torch.int32),
+        torch.zeros(n, h, dtype=torch.float64),
+    )
+    query = torch.randn(b, h * g, d, generator=gen).bfloat16()
+    retrieve = torch.tensor([[True, False], [False, True]])
+    bad = torch.zeros_like(retrieve)
+    new_idx = torch.tensor([[[5, 9, 1, 2]] * h] * b, dtype=torch.int32)
+    new_scores = torch.tensor([[[3.0, 2.0, 1.0, float("-inf")]] * h] * b)
+    slots = torch.tensor([2, 0])
+    lens = torch.tensor([120, 110], dtype=torch.int32)
+    width = window_widths(4, 16, s)[0] + mm + 2 * 1 * 2 + cis_local_width(16, s, True)
+    out = (torch.empty(b, h, width, dtype=torch.int32), torch.empty(b, h, dtype=torch.int32))
+    kw = dict(n_sink=4, n_local=16, block_size=s, m=2, r=1, hold_local=True)
+    return query, retrieve, bad, new_idx, new_scores, state, slots, lens, out, kw
+
+
+def test_compose_stores_a_retrieving_rows_union_and_keeps_the_others():
+    query, retrieve, bad, new_idx, new_scores, state, slots, lens, out, kw = _case()
+    union = torch.full((3, 2, 4 + 2 * 2), 77, dtype=torch.int32)
+    u_cnt = torch.full((3, 2), 77, dtype=torch.int32)
+    cis_compose(query, retrieve, bad, new_idx, new_scores, *state, slots, lens, **kw,
+                out_indices=out[0], out_counts=out[1], anchor_union=union,
+                anchor_union_cnt=u_cnt)  # fmt: skip
+    # Slot 2 head 0 and slot 0 head 1 retrieved [5, 9, 1] (the -inf entry is no block):
+    # {5, 9, 1} ∪ {4, 6, 8, 10} (the top 2 dilated by one).
+    for slot, head in ((2, 0), (0, 1)):
+        assert u_cnt[slot, head] == 7
+        assert union[slot, head].tolist() == [1, 4, 5, 6, 8, 9, 10, -1]
+    for slot, head in ((2, 1), (0, 0), (1, 0), (1, 1)):  # reused, or no row: untouched
+        assert u_cnt[slot, head] == 77 and (union[slot, head] == 77).all()
+
+
+def test_compose_refuses_bad_union_fields_before_any_write():
+    query, retrieve, bad, new_idx, new_scores, state, slots, lens, out, kw = _case()
+    good_u = torch.zeros(3, 2, 8, dtype=torch.int32)
+    good_c = torch.zeros(3, 2, dtype=torch.int32)
+    before = [t.clone() for t in state]
+    for u, c, match in [
+        (good_u, None, "give both or neither"),
+        (None, good_c, "give both or neither"),
+        (good_u[..., :7], good_c, r"anchor_union must be int32 \[3, 2, 8\]"),
+        (good_u.long(), good_c, "anchor_union must be int32"),
+        (good_u, torch.zeros(3, 2, dtype=torch.int64), "anchor_union_cnt must be int32"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cis_compose(query, retrieve, bad, new_idx, new_scores, *state, slots, lens, **kw,
+                        out_indices=out[0], out_counts=out[1], anchor_union=u,
+                        anchor_union_cnt=c)  # fmt: skip
+    for got, want in zip(state, before, strict=True):
+        assert torch.equal(got, want)
+    assert (good_u == 0).all() and (good_c == 0).all()
