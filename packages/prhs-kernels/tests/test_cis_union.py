@@ -100,3 +100,59 @@ def test_compose_refuses_bad_union_fields_before_any_write():
     for got, want in zip(state, before, strict=True):
         assert torch.equal(got, want)
     assert (good_u == 0).all() and (good_c == 0).all()
+
+
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
+        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mm", "m", "r", "s", "union"),
+    [(64, 10, 2, 4, True), (128, 42, 1, 8, True), (64, 7, 3, 1, True), (64, 10, 2, 4, False)],
+)
+def test_the_compose_kernel_compiles_for_a_hopper_gpu(monkeypatch, mm, m, r, s, union):
+    """The kernel's launch, caught on the CPU and compiled for sm_90 (no GPU needed): Triton's
+    compiler rejects what its interpreter runs, e.g. a name bound to tensors of two shapes in
+    the two branches of a runtime ``if`` (the copy's and the sort's, when the union's block is
+    narrower than the candidates')."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import prhs_kernels.cis.triton as ct
+
+    launches = []
+
+    class Catch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((args, kw))
+
+    real = ct._kernels(False)
+    monkeypatch.setattr(ct, "_kernels", lambda interp: (*real[:2], Catch(), real[3]))
+    b, h, g, d, n = 4, 2, 4, 128, 5
+    state = (torch.zeros(n, h, g, d), torch.zeros(n, h, dtype=torch.int32),
+             torch.zeros(n, h, mm, dtype=torch.int32), torch.zeros(n, h, dtype=torch.int32),
+             torch.zeros(n, h, dtype=torch.float64))  # fmt: skip
+    width = window_widths(4, 32, s)[0] + mm + 2 * r * m + cis_local_width(32, s, True)
+    extra = {}
+    if union:
+        extra = dict(anchor_union=torch.zeros(n, h, mm + 2 * r * m, dtype=torch.int32),
+                     anchor_union_cnt=torch.zeros(n, h, dtype=torch.int32))  # fmt: skip
+    no = torch.zeros(b, h, dtype=torch.bool)
+    cis_compose(
+        torch.zeros(b, h * g, d, dtype=torch.bfloat16), no, no,
+        torch.zeros(b, h, mm, dtype=torch.int32), torch.zeros(b, h, mm), *state,
+        torch.arange(b), torch.full((b,), 10, dtype=torch.int32), n_sink=4, n_local=32,
+        block_size=s, m=m, r=r, out_indices=torch.zeros(b, h, width, dtype=torch.int32),
+        out_counts=torch.zeros(b, h, dtype=torch.int32), hold_local=True, **extra,
+        path="triton",
+    )  # fmt: skip
+    (args, kw), fn = launches.pop(), real[2]
+    sig = {
+        name: _PTR[a.dtype] if isinstance(a, torch.Tensor) else "i32"
+        for name, a in zip(fn.arg_names, args, strict=False)
+    }
+    const = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    options = {"num_warps": kw["num_warps"]}
+    triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)

@@ -352,23 +352,23 @@ def _compose_kernel(
         # A reuse with its anchor's union U = S_a ∪ dilate(S_a) stored ascending and distinct:
         # the selection is the sink range, the entries of U outside both windows (below the
         # sequence's end) and the local range, each lane's place computed, nothing sorted.
-        u_cnt = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
+        n_union = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
         offs_u = tl.arange(0, BLOCK_U)
-        x = tl.load(u_base + offs_u, mask=offs_u < u_cnt, other=big)
+        ux = tl.load(u_base + offs_u, mask=offs_u < n_union, other=big)
         l_end = tl.minimum(first + WL, nb_seq)  # the local range: [first, l_end)
         l0 = tl.maximum(first, sink_end)  # where its part outside the sink starts
         n_loc = tl.maximum(l_end - l0, 0)
-        keep = (x >= sink_end) & (x < nb_seq) & ((x < first) | (x >= l_end))
-        before = tl.cumsum(keep.to(tl.int32), 0) - 1  # kept entries before this one
-        below_local = tl.minimum(tl.maximum(tl.minimum(x, l_end) - l0, 0), n_loc)
-        c_lo = tl.sum((keep & (x < first)).to(tl.int32), 0)  # kept entries below the window
-        count = sink_end + tl.sum(keep.to(tl.int32), 0) + n_loc
+        ukeep = (ux >= sink_end) & (ux < nb_seq) & ((ux < first) | (ux >= l_end))
+        before = tl.cumsum(ukeep.to(tl.int32), 0) - 1  # kept entries before this one
+        below_local = tl.minimum(tl.maximum(tl.minimum(ux, l_end) - l0, 0), n_loc)
+        c_lo = tl.sum((ukeep & (ux < first)).to(tl.int32), 0)  # kept entries below the window
+        n_sel = sink_end + tl.sum(ukeep.to(tl.int32), 0) + n_loc
         j = w - sink_end - c_lo  # this lane's place in the local range's part
         in_loc = (j >= 0) & (j < n_loc)
         val = tl.where(w < sink_end, w, tl.where(in_loc, l0 + j, -1))
-        tl.store(out + w, val, mask=((w < sink_end) | in_loc | (w >= count)) & (w < WIDTH))
-        tl.store(out + sink_end + before + below_local, x, mask=keep)
-        tl.store(OUT_CNT + pid, count)
+        tl.store(out + w, val, mask=((w < sink_end) | in_loc | (w >= n_sel)) & (w < WIDTH))
+        tl.store(out + sink_end + before + below_local, ux, mask=ukeep)
+        tl.store(OUT_CNT + pid, n_sel)
     else:
         # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W.
         cand = tl.full([BLOCK_W], -1, tl.int32)
