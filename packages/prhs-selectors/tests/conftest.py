@@ -62,6 +62,10 @@ SELECTOR_CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "cis",
         {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": 0.0, "rescore": 6},
     ),
+    "cis-reuse": (  # the paper's CIS-8 reuse (Table V): no re-ranking, so anchors keep a union
+        "cis",
+        {"budget": 8, "n_sink": 2, "n_local": 4, "block_size": 2, "tau": -1.0, "rescore": 0},
+    ),
     "cis-random": (
         "cis",
         {
