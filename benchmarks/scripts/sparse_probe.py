@@ -3,8 +3,9 @@ reference, then timed (CUDA-graph replay, median of ``triton.testing.do_bench``)
 A benchmark, not a test: nothing here asserts a speed.
 
 A plan is ``(block_n, num_warps, num_stages, waves)`` (a plan whose split count comes out at 1
-writes the output from the split kernel, with no merge launch). The shipped plan is also timed
-``BACK_TO_BACK`` launches to a graph (``b2b_ms``). Shapes: Hq 32, D 128, bf16, T 16k, 1024
+writes the output from the split kernel, with no merge launch). The shipped plan (the first of
+``--plans``) is also timed ``BACK_TO_BACK`` launches to a graph (``b2b_ms``; every plan with
+``--b2b-all``, which then ranks the plans by it). Shapes: Hq 32, D 128, bf16, T 16k, 1024
 positions per (sequence, KV head): B in {1, 4, 8, 16, 32} at Hkv 8 as single positions and as
 128 blocks of 8; B 1 and 16 at Hkv 32 as single positions; single positions through a paged pool
 of page size 1 (as SGLang's) at B 16 / Hkv 8; contiguous caches elsewhere. Bytes: the selected
@@ -74,12 +75,24 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--shipped-only", action="store_true", help="time the shipped plan only")
     ap.add_argument(
+        "--plans", default=None, metavar="N:W:S:WAVES[,...]",
+        help="these plans (block_n:num_warps:num_stages:waves) instead of the list above",
+    )  # fmt: skip
+    ap.add_argument(
+        "--b2b-all", action="store_true",
+        help="time every plan back to back (not only the shipped one)",
+    )  # fmt: skip
+    ap.add_argument(
         "--merge-last", type=int, default=None, metavar="N",
         help="TUNING['merge_last'] for the run: up to N slices a row the last slice merges "
         "(0: always the merge launch); default the shipped value",
     )  # fmt: skip
     a = ap.parse_args()
     plans = PLANS[:1] if a.shipped_only else PLANS
+    if a.plans:
+        plans = [tuple(int(v) for v in item.split(":")) for item in a.plans.split(",")]
+        if any(len(p) != 4 for p in plans):
+            ap.error(f"--plans {a.plans!r}: each plan is block_n:num_warps:num_stages:waves")
     chosen = shapes()
     if a.shapes:
         chosen = []
@@ -135,7 +148,7 @@ def main() -> None:
                 )
                 row.update(ms=ms, **{"TB/s": nbytes / ms / 1e9})
                 table[key][plan] = ms
-                if plan == PLANS[0]:
+                if plan == plans[0] or a.b2b_all:
                     sels = [
                         K.block_selection(b, hkv, lens, a.budget // s, s, gen)
                         for _ in range(BACK_TO_BACK)
@@ -147,7 +160,10 @@ def main() -> None:
 
                     b2b = K.graph_ms(burst) / BACK_TO_BACK
                     row.update(b2b_ms=b2b, **{"b2b_TB/s": nbytes / b2b / 1e9})
-                    b2b_table[key] = b2b
+                    if plan == plans[0]:
+                        b2b_table[key] = b2b
+                    if a.b2b_all:  # rank the plans by their own back-to-back time
+                        table[key][plan] = b2b
             except Exception as e:  # every plan gets its row
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             K.emit(out, row)
@@ -155,12 +171,13 @@ def main() -> None:
     sd.TUNING.clear()
     sd.TUNING.update(saved)
     # The short table: µs per shape for each plan, the best marked.
-    print("\nµs (graph replay); plans as (block_n, warps, stages, waves)")
+    how = "back to back" if a.b2b_all else "graph replay"
+    print(f"\nµs ({how}); plans as (block_n, warps, stages, waves)")
     for key, cells in table.items():
         if not cells:
             continue
         best = min(cells, key=cells.get)
-        base = cells.get(PLANS[0])
+        base = cells.get(plans[0])
         nbytes = key[0] * key[1] * a.budget * K.D * 4
         b2b = b2b_table.get(key)
         print(

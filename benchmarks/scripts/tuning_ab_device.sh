@@ -4,6 +4,9 @@
 #   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
+#   nsN   the sparse kernel's software-pipelining depth (TUNING["num_stages"])
+#   bnN   the sparse kernel's positions per tile (TUNING["block_n"])
+#   nwN   the sparse kernel's warps per program (TUNING["num_warps"])
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -34,6 +37,12 @@ s.TUNING['kv_evict_first'] = True" ;;
 s.TUNING['merge_last'] = ${knob#ml}" ;;
                 w*) knobs="$knobs
 s.TUNING['waves'] = ${knob#w}" ;;
+                ns*) knobs="$knobs
+s.TUNING['num_stages'] = ${knob#ns}" ;;
+                bn*) knobs="$knobs
+s.TUNING['block_n'] = ${knob#bn}" ;;
+                nw*) knobs="$knobs
+s.TUNING['num_warps'] = ${knob#nw}" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs
