@@ -13,6 +13,7 @@ from prhs_kernels.cis import (
     anchor_union_reference,
     cis_compose,
     cis_decide,
+    cis_decide_compose,
     cis_local_width,
     cis_path,
     retrieval_block_scores,
@@ -356,6 +357,107 @@ def test_compose_with_the_anchors_union_copies_it_on_reuse(
     assert fresh.any() and (~retrieve[rows] & ~bad[rows]).any()  # both kinds of row are here
     assert torch.equal(got_state[5][live][fresh], again[live][fresh])
     assert torch.equal(got_state[6][live][fresh], again_cnt[live][fresh])
+
+
+def _decide_compose_case(seed, s, n_sink, n_local, m_blocks, m, r):
+    """Anchors of every age (fresh: reused at tau -1; too old or none: retrieve), a group with
+    a NaN (bad), the anchors' unions, and a retrieval's new lists for the retrieving rows."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d, n = 6, 2, 2, 16, 8
+    aq, alen, aidx, acnt, alogd = _anchors(n, h, g, d, m_blocks, gen)
+    slots = torch.tensor([3, 0, 6, 1, 5, 7])  # distinct: every row's state is compared
+    lens = torch.tensor([200, 9, 64, 1, 150, 40], dtype=torch.int32)
+    age = torch.randint(0, n_local + 1, (b, h), generator=gen, dtype=torch.int32)
+    kind = torch.randint(0, 3, (b, h), generator=gen)
+    kind[0] = torch.tensor([0, 1])  # both kinds on one row
+    old = (lens.view(-1, 1) - n_local - 3).clamp_min(0)
+    fresh = (lens.view(-1, 1) - age).clamp_min(1)
+    ta = torch.where(kind == 0, fresh, torch.where(kind == 1, 0, old))
+    alen[slots] = ta.to(torch.int32)
+    query = torch.randn(b, h * g, d, generator=gen).bfloat16()
+    query[4, g, 3] = float("nan")  # row 4, KV head 1
+    nb = -(-int(lens.max()) // s)
+    scores = torch.rand(b, h, nb, generator=gen)
+    scores[scores < 0.3] = float("-inf")
+    new_idx, new_scores = top_blocks(scores, m_blocks)
+    union, u_cnt = anchor_union_reference(aidx, acnt, m, r)
+    return query, (aq, alen, aidx, acnt, alogd, union, u_cnt), slots, lens, new_idx, new_scores
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize(
+    ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
+    [
+        (8, 4, 32, 12, 4, 1),
+        (1, 2, 6, 10, 3, 2),
+        (4, 0, 0, 5, 5, 1),
+        (16, 40, 3, 6, 2, 0),
+        (2, 3, 5, 9, 9, 3),
+    ],
+)
+def test_decide_compose_then_the_retrieving_rows_equal_decide_then_compose(
+    s, n_sink, n_local, m_blocks, m, r, hold
+):
+    """``cis_decide_compose`` (the decision's launch writing every non-retrieving row's
+    selection from its anchor's union) then ``cis_compose(retrieving_only=True)`` give what the
+    torch decision and composition give: selection, counts, anchors, unions, the non-finite
+    count and the retrieval flag. The reusing rows' anchor lists are junk on the kernel's side
+    (the decision copies the union, never the list); between the two launches the retrieving
+    rows' entries are untouched and no anchor has changed."""
+    query, state, slots, lens, new_idx, new_scores = _decide_compose_case(
+        3 * s + m_blocks + r, s, n_sink, n_local, m_blocks, m, r
+    )
+    ws, _ = window_widths(n_sink, n_local, s)
+    width = ws + m_blocks + 2 * r * m + cis_local_width(n_local, s, hold)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r, hold_local=hold)
+    runs = {}
+    for path in ("torch", PATH):
+        st = [t.clone() for t in state]
+        out_idx = torch.full((6, 2, width), 12345, dtype=torch.int32)
+        out_cnt = torch.full((6, 2), 12345, dtype=torch.int32)
+        nonfinite = torch.zeros(1, dtype=torch.int64)
+        flag = torch.zeros(1, dtype=torch.bool)
+        if path == "torch":
+            retrieve, bad = cis_decide(
+                query, st[0], st[1], slots, lens, tau=-1.0, n_local=n_local,
+                nonfinite=nonfinite, any_retrieve=flag,
+            )  # fmt: skip
+            seen_flag = flag.clone()
+        else:
+            reusing = slots[(st[1][slots] > 0).any(-1)]
+            st[2][reusing] = torch.randint(0, 50, st[2][reusing].shape, dtype=torch.int32)
+            before = [t.clone() for t in st]
+            retrieve, bad = cis_decide_compose(
+                query, st[0], st[1], st[2], st[3], st[5], st[6], slots, lens, tau=-1.0,
+                **kw, out_indices=out_idx, out_counts=out_cnt, nonfinite=nonfinite,
+                any_retrieve=flag, path=PATH,
+            )  # fmt: skip
+            seen_flag = flag.clone()
+            for got, was in zip(st, before, strict=True):
+                assert torch.equal(got, was)
+            assert (out_idx[retrieve] == 12345).all() and (out_cnt[retrieve] == 12345).all()
+            assert not (out_cnt[~retrieve] == 12345).any()
+        cis_compose(
+            query, retrieve, bad, new_idx, new_scores, *st[:5], slots, lens, **kw,
+            out_indices=out_idx, out_counts=out_cnt, anchor_union=st[5],
+            anchor_union_cnt=st[6], any_retrieve=flag, retrieving_only=path != "torch",
+            path=path,
+        )  # fmt: skip
+        runs[path] = (retrieve, bad, out_idx, out_cnt, st, nonfinite, seen_flag, flag)
+    (wr, wb, wi, wc, ws_, wn, wf, wf2), (gr, gb, gi, gc, gs, gn, gf, gf2) = runs.values()
+    assert torch.equal(gr, wr) and torch.equal(gb, wb)
+    assert gr.any() and (~gr & ~gb).any() and gb.any()  # every kind of row is here
+    assert torch.equal(gc, wc)
+    assert torch.equal(gi, wi)
+    assert torch.equal(gn, wn) and gn.item() == 1
+    assert torch.equal(gf, wf) and gf.item() and not gf2.item() and not wf2.item()
+    for i, (got, want) in enumerate(zip(gs, ws_, strict=True)):
+        if i == 2:  # the list: junk where the row reused (its anchor's stays as it was)
+            live = slots[gr.any(-1)]
+            fresh = gr[gr.any(-1)]
+            assert torch.equal(got[live][fresh], want[live][fresh])
+            continue
+        assert torch.equal(got, want), i
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ the set actually read, for each query head.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from prhs_kernels.cis import (
     check_block_score,
     cis_compose,
     cis_decide,
+    cis_decide_compose,
     cis_local_width,
     cis_path,
     cis_rescore,
@@ -678,25 +680,41 @@ class CIS(BaseSelector):
     ) -> Selection:
         """Paper mode through :mod:`prhs_kernels.cis`: decide, re-rank the reusing rows' pools
         (``rescore``), score the retrieving rows' blocks, take their top ``k/s`` (and the next
-        ``R``), compose and update the anchors. In a captured step the retrieval's kernels sit in
-        a conditional node (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no row
-        retrieves (``state.retrieving``, set by the decision, cleared by the composition)."""
+        ``R``), compose and update the anchors. With the anchors' unions (no ``rescore``, no
+        random expansion) the decision's launch writes the reusing rows' selections itself
+        (:func:`prhs_kernels.cis.cis_decide_compose`) and the composition writes the retrieving
+        rows alone. In a captured step the retrieval's kernels (and then that composition) sit
+        in a conditional node (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no
+        row retrieves (``state.retrieving``, set by the decision, cleared by the
+        composition)."""
         c = self.config
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
         anchor = {n: pool[n][:, layer] for n in _ANCHOR_FIELDS}
-        retrieve, bad = cis_decide(
-            query,
-            anchor["anchor_q"],
-            anchor["anchor_len"],
-            slots,
-            kv.seq_lens,
-            tau=self.layer_tau(layer, query.device, state),
-            n_local=c.n_local,
-            nonfinite=state.nonfinite,
-            any_retrieve=state.retrieving,
-            path=path,
-        )
+        sel = plan.selection
+        random = c.expansion == "random" and c.r * self.dilation_m() > 0
+        union = {}
+        if self.keeps_union():
+            union = dict(anchor_union=pool["anchor_union"][:, layer],
+                         anchor_union_cnt=pool["anchor_ucnt"][:, layer])  # fmt: skip
+        # With the anchors' unions (and no random expansion) the decision's launch also writes
+        # every non-retrieving row's selection; the composition after the retrieval then has
+        # the retrieving rows alone to write.
+        early = bool(union) and not random
+        decide_args = (query, anchor["anchor_q"], anchor["anchor_len"])
+        decide_kw = dict(
+            tau=self.layer_tau(layer, query.device, state), n_local=c.n_local,
+            nonfinite=state.nonfinite, any_retrieve=state.retrieving, path=path,
+        )  # fmt: skip
+        if early:
+            retrieve, bad = cis_decide_compose(
+                *decide_args, anchor["anchor_idx"], anchor["anchor_cnt"], union["anchor_union"],
+                union["anchor_union_cnt"], slots, kv.seq_lens, **decide_kw, n_sink=c.n_sink,
+                block_size=c.block_size, m=self.union_m(), r=c.r, out_indices=sel.indices,
+                out_counts=sel.counts, hold_local=c.hold_local,
+            )  # fmt: skip
+        else:
+            retrieve, bad = cis_decide(*decide_args, slots, kv.seq_lens, **decide_kw)
         n_next = self.rescore_blocks()
         if n_next:
             anchor_next = pool["anchor_next"][:, layer]
@@ -739,12 +757,6 @@ class CIS(BaseSelector):
                 )
             else:
                 new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
-        sel = plan.selection
-        random = c.expansion == "random" and c.r * self.dilation_m() > 0
-        union = {}
-        if self.keeps_union():
-            union = dict(anchor_union=pool["anchor_union"][:, layer],
-                         anchor_union_cnt=pool["anchor_ucnt"][:, layer])  # fmt: skip
         if random:  # compose without dilation, then add the random blocks
             n_extra = 2 * c.r * self.dilation_m()
             out_idx = sel.indices.new_empty((*sel.indices.shape[:-1], sel.width - n_extra))
@@ -752,27 +764,31 @@ class CIS(BaseSelector):
             reused = ~retrieve & ~bad  # before cis_compose makes the retrieving rows anchors
         else:
             out_idx, out_cnt = sel.indices, sel.counts
-        cis_compose(
-            query,
-            retrieve,
-            bad,
-            new_idx,
-            new_scores,
-            *(anchor[n] for n in _ANCHOR_FIELDS),
-            slots,
-            kv.seq_lens,
-            n_sink=c.n_sink,
-            n_local=c.n_local,
-            block_size=c.block_size,
-            m=self.union_m(),
-            r=c.r,
-            out_indices=out_idx,
-            out_counts=out_cnt,
-            hold_local=c.hold_local,
-            any_retrieve=state.retrieving,
-            **union,
-            path=path,
-        )
+        # (after cis_decide_compose only the retrieving rows are left: a replay whose decision
+        # found none skips this with the retrieval, where graphs have conditional nodes)
+        with run_if(state.retrieving) if early else contextlib.nullcontext():
+            cis_compose(
+                query,
+                retrieve,
+                bad,
+                new_idx,
+                new_scores,
+                *(anchor[n] for n in _ANCHOR_FIELDS),
+                slots,
+                kv.seq_lens,
+                n_sink=c.n_sink,
+                n_local=c.n_local,
+                block_size=c.block_size,
+                m=self.union_m(),
+                r=c.r,
+                out_indices=out_idx,
+                out_counts=out_cnt,
+                hold_local=c.hold_local,
+                any_retrieve=state.retrieving,
+                **union,
+                retrieving_only=early,
+                path=path,
+            )
         if random:
             n_blocks = self.num_blocks(kv)
             extra = random_blocks(kv.seq_lens, n_blocks, slots, layer, out_cnt.shape[1], n_extra)

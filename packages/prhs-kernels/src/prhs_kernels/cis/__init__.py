@@ -6,6 +6,9 @@
 - :func:`retrieval_block_scores` -- a retrieval's block scores (largest group probability per
   block), ``-inf`` where top-k may not pick; keys are read for the retrieving rows only;
 - :func:`top_blocks` -- the ``M`` best blocks by score, largest first;
+- :func:`cis_decide_compose` -- the decision and, in its launch, the selection of every row
+  that does not retrieve (from its anchor's union); ``cis_compose(..., retrieving_only=True)``
+  then writes the retrieving rows after their retrieval;
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
   that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
@@ -49,6 +52,7 @@ __all__ = [
     "cis_compose",
     "cis_compose_reference",
     "cis_decide",
+    "cis_decide_compose",
     "cis_decide_reference",
     "cis_local_width",
     "cis_path",
@@ -114,6 +118,34 @@ def cis_decide(
     row's. ``tau`` is one cosine threshold, one per KV head (``[Hkv]``), or one per (slot,
     KV head) (``[N, Hkv]``, rows by state slot like ``anchor_len``; strided views allowed),
     float32 on the query's device."""
+    _check_decide_args(query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite,
+                       any_retrieve)  # fmt: skip
+    announce("cis_decide", path, query.device)
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import cis_decide_triton
+
+        return cis_decide_triton(
+            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite, any_retrieve
+        )
+    retrieve, bad = cis_decide_reference(
+        query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
+    )
+    if any_retrieve is not None:
+        any_retrieve |= retrieve.any()
+    return retrieve, bad
+
+
+def _check_decide_args(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tau: float | torch.Tensor,
+    n_local: int,
+    nonfinite: torch.Tensor | None,
+    any_retrieve: torch.Tensor | None,
+) -> None:
     b, hq, d = query.shape
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     check_shape("anchor_q", anchor_q, (anchor_len.shape[0], h, hq // h, d), "[N, Hkv, g, D]")
@@ -144,19 +176,6 @@ def cis_decide(
         )
     if any_retrieve is not None:
         check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
-    announce("cis_decide", path, query.device)
-    if path.startswith("triton"):
-        from prhs_kernels.cis.triton import cis_decide_triton
-
-        return cis_decide_triton(
-            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite, any_retrieve
-        )
-    retrieve, bad = cis_decide_reference(
-        query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite
-    )
-    if any_retrieve is not None:
-        any_retrieve |= retrieve.any()
-    return retrieve, bad
 
 
 def retrieval_block_scores(
@@ -313,6 +332,7 @@ def cis_compose(
     any_retrieve: torch.Tensor | None = None,
     anchor_union: torch.Tensor | None = None,
     anchor_union_cnt: torch.Tensor | None = None,
+    retrieving_only: bool = False,
     path: str = "torch",
 ) -> None:
     """Write the selection into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` and make
@@ -327,7 +347,11 @@ def cis_compose(
     path a reusing row then copies it between its windows instead of sorting its candidates
     (the selection is the same); so whatever else writes an anchor's list (a seeded anchor)
     must write its union too, and a list re-ranked at every reuse (:func:`cis_rescore`) must
-    not be composed with them."""
+    not be composed with them.
+
+    ``retrieving_only``: write the retrieving rows only (selection and anchor), leaving every
+    other row's entries as they are -- the second half of :func:`cis_decide_compose`, which wrote
+    them (needs the union fields). A step where no row retrieves then has nothing to do here."""
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, seq_lens, b)
     mm = anchor_idx.shape[-1]
@@ -337,15 +361,69 @@ def cis_compose(
         raise ValueError("new_idx and new_scores must both be [B, Hkv, M']")
     if new_idx.shape[-1] > mm:
         raise ValueError(f"new_idx holds {new_idx.shape[-1]} entries; the anchor list {mm}")
+    ws, wl = _check_selection_args(
+        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
+        out_indices, out_counts, anchor_union, anchor_union_cnt,
+    )  # fmt: skip
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
+    if retrieving_only and anchor_union is None:
+        raise ValueError(
+            "retrieving_only composes after cis_decide_compose, which needs the anchors' union "
+            "(anchor_union, anchor_union_cnt): give them here too"
+        )
+    announce("cis_compose", path, query.device)
+    union = dict(anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt)
+    args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
+    args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
+    kw = dict(
+        n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r, hold_local=hold_local
+    )
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import cis_compose_triton
+
+        cis_compose_triton(
+            *args, **kw, **union, out_indices=out_indices, out_counts=out_counts,
+            windows=(ws, wl), any_retrieve=any_retrieve, retrieving_only=retrieving_only,
+        )  # fmt: skip
+        return
+    cis_compose_reference(
+        *args, **kw, **union, out_indices=out_indices, out_counts=out_counts,
+        rows=retrieve if retrieving_only else None,
+    )  # fmt: skip
+    if any_retrieve is not None:
+        any_retrieve.zero_()
+
+
+def _check_selection_args(
+    query: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    hold_local: bool,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    anchor_union: torch.Tensor | None,
+    anchor_union_cnt: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Check the arguments that shape a CIS selection (its buffers, the dilation, the union
+    fields); ``(ws, wl)``: the sink and local windows' widths in blocks."""
+    b, h = query.shape[0], anchor_len.shape[1]
+    mm = anchor_idx.shape[-1]
+    for name, v, least in (("n_sink", n_sink, 0), ("n_local", n_local, 0),
+                           ("block_size", block_size, 1), ("m", m, 0), ("r", r, 0)):  # fmt: skip
+        check_int(name, v, minimum=least)
+    if m > mm:
+        raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
     ws, _ = window_widths(n_sink, n_local, block_size)
     wl = cis_local_width(n_local, block_size, hold_local)
     width = ws + mm + 2 * r * m + wl
     check_shape("out_indices", out_indices, (b, h, width), "[B, Hkv, ws + M + 2rm + wl]")
     check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
-    if m > mm:
-        raise ValueError(f"m ({m}) must not exceed the anchor list's width ({mm})")
-    if any_retrieve is not None:
-        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
     if (anchor_union is None) != (anchor_union_cnt is None):
         raise ValueError("anchor_union and anchor_union_cnt go together: give both or neither")
     if anchor_union is not None and anchor_union_cnt is not None:
@@ -359,24 +437,85 @@ def cis_compose(
                     f"{name} must be int32 {list(shape)} ([N, Hkv] + the union's M + 2·r·m) on "
                     f"{query.device}, got {t.dtype} {list(t.shape)} on {t.device}"
                 )
-    announce("cis_compose", path, query.device)
-    union = dict(anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt)
-    args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
-    args += (anchor_cnt, anchor_log_delta, slots, seq_lens)
-    kw = dict(
-        n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r, hold_local=hold_local
-    )
-    if path.startswith("triton"):
-        from prhs_kernels.cis.triton import cis_compose_triton
+    return ws, wl
 
-        cis_compose_triton(
-            *args, **kw, **union, out_indices=out_indices, out_counts=out_counts,
-            windows=(ws, wl), any_retrieve=any_retrieve,
+
+def cis_decide_compose(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_union: torch.Tensor,
+    anchor_union_cnt: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    tau: float | torch.Tensor,
+    n_local: int,
+    n_sink: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    hold_local: bool = False,
+    nonfinite: torch.Tensor | None = None,
+    any_retrieve: torch.Tensor | None = None,
+    path: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cis_decide`, and the selection of every row that does not retrieve written as
+    :func:`cis_compose` would write it: a reusing row's from its anchor's union
+    (``anchor_union`` / ``anchor_union_cnt``, copied between the windows), a ``bad`` row's
+    windows only. The retrieving rows' entries are left for ``cis_compose(...,
+    retrieving_only=True)`` after their retrieval; no anchor changes here. ``(retrieve, bad)``
+    as :func:`cis_decide` returns them.
+
+    On the Triton path this is the decision's launch: a reusing row's selection is ready before
+    the retrieval's kernels run, and the composition after them has only the retrieving rows to
+    write (nothing, on a step where no row retrieves). The arguments are those of the two ops
+    (checked before anything is written or counted)."""
+    b = query.shape[0]
+    h = _check_anchors(anchor_len, slots, seq_lens, b)
+    check_shape("anchor_cnt", anchor_cnt, (anchor_len.shape[0], h), "[N, Hkv]")
+    ws, wl = _check_selection_args(
+        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
+        out_indices, out_counts, anchor_union, anchor_union_cnt,
+    )  # fmt: skip
+    if path.startswith("triton") and (
+        out_indices.stride(-1) != 1 or not out_counts.is_contiguous()
+    ):
+        raise ValueError("the selection's buffers must be contiguous")
+    _check_decide_args(query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite,
+                       any_retrieve)  # fmt: skip
+    if path.startswith("triton"):
+        from prhs_kernels.cis.triton import cis_decide_triton
+
+        announce("cis_decide_compose", path, query.device)
+        early = dict(
+            anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt, out_indices=out_indices,
+            out_counts=out_counts, n_sink=n_sink, block_size=block_size, windows=(ws, wl),
+            hold_local=hold_local,
         )  # fmt: skip
-        return
-    cis_compose_reference(*args, **kw, **union, out_indices=out_indices, out_counts=out_counts)
-    if any_retrieve is not None:
-        any_retrieve.zero_()
+        return cis_decide_triton(
+            query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite, any_retrieve,
+            early=early,
+        )  # fmt: skip
+    retrieve, bad = cis_decide(
+        query, anchor_q, anchor_len, slots, seq_lens, tau=tau, n_local=n_local,
+        nonfinite=nonfinite, any_retrieve=any_retrieve, path=path,
+    )  # fmt: skip
+    # The reference composition of the other rows (no row among them becomes an anchor: the
+    # anchor fields are written back unchanged; log δ is not one of this op's fields).
+    none = anchor_idx.new_empty((b, h, 0))
+    log_delta = torch.zeros(anchor_len.shape, dtype=torch.float32, device=anchor_len.device)
+    cis_compose_reference(
+        query, retrieve, bad, none, none.float(), anchor_q, anchor_len, anchor_idx, anchor_cnt,
+        log_delta, slots, seq_lens, n_sink=n_sink, n_local=n_local, block_size=block_size, m=m,
+        r=r, out_indices=out_indices, out_counts=out_counts, hold_local=hold_local,
+        rows=~retrieve,
+    )  # fmt: skip
+    return retrieve, bad
 
 
 def cis_rescore(

@@ -180,6 +180,7 @@ def cis_compose_reference(
     hold_local: bool = False,
     anchor_union: torch.Tensor | None = None,
     anchor_union_cnt: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Write each row's selection and update the anchors of the rows that retrieve.
 
@@ -199,6 +200,9 @@ def cis_compose_reference(
     neither): a retrieving row also stores its reuses' ``S_a ∪ dilate(S_a)``
     (:func:`anchor_union_reference`), which the Triton kernel's reusing rows copy instead of
     sorting the candidates again; this reference reads it nowhere.
+
+    ``rows [B, Hkv]`` (bool): only these rows' selections are written and only the retrieving
+    ones among them become anchors; the other rows' entries are left as they were.
     """
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -218,9 +222,16 @@ def cis_compose_reference(
     n_blocks = (seq_lens + s - 1) // s
     if hold_local:
         local = held_local_indices(local, seq_lens, anchor_len[slots], ~retrieve & ~bad, n_local, s)
-    union_indices([sink, part, local], n_blocks, out_indices, out_counts)
-    q = query.reshape(b, h, hq // h, d).float()
     rr = retrieve
+    if rows is None:
+        union_indices([sink, part, local], n_blocks, out_indices, out_counts)
+    else:
+        got_i, got_c = torch.empty_like(out_indices), torch.empty_like(out_counts)
+        union_indices([sink, part, local], n_blocks, got_i, got_c)
+        out_indices.copy_(torch.where(rows.unsqueeze(-1), got_i, out_indices))
+        out_counts.copy_(torch.where(rows, got_c, out_counts))
+        rr = retrieve & rows
+    q = query.reshape(b, h, hq // h, d).float()
     anchor_q[slots] = torch.where(rr[..., None, None], q, anchor_q[slots])
     anchor_len[slots] = torch.where(rr, seq_lens.view(-1, 1), anchor_len[slots])
     anchor_idx[slots] = torch.where(rr.unsqueeze(-1), new, a_idx)

@@ -87,6 +87,35 @@ pool entries the rewrite walks at a time.
 Module-level so that a benchmark can sweep them."""
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _copy_between_windows(
+    out, OUT_CNT_ROW, ux, sink_end, first, nb_seq, do,
+    WL: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Write a reusing row's selection when ``do``: the sink range ``[0, sink_end)``, the
+    entries of its anchor's union ``ux`` (ascending and distinct, int32's largest value past its
+    count) that lie outside both windows and below the sequence's ``nb_seq`` blocks, and the
+    local range ``[first, min(first + WL, nb_seq))`` -- each lane's place computed, nothing
+    sorted -- into the row ``out`` (``WIDTH`` entries, ``-1`` past the count) and its count
+    into ``OUT_CNT_ROW``. With an empty union: the windows alone (a ``bad`` row's selection)."""
+    w = tl.arange(0, BLOCK_W)
+    l_end = tl.minimum(first + WL, nb_seq)  # the local range: [first, l_end)
+    l0 = tl.maximum(first, sink_end)  # where its part outside the sink starts
+    n_loc = tl.maximum(l_end - l0, 0)
+    ukeep = (ux >= sink_end) & (ux < nb_seq) & ((ux < first) | (ux >= l_end))
+    before = tl.cumsum(ukeep.to(tl.int32), 0) - 1  # kept entries before this one
+    below_local = tl.minimum(tl.maximum(tl.minimum(ux, l_end) - l0, 0), n_loc)
+    c_lo = tl.sum((ukeep & (ux < first)).to(tl.int32), 0)  # kept entries below the window
+    n_sel = sink_end + tl.sum(ukeep.to(tl.int32), 0) + n_loc
+    j = w - sink_end - c_lo  # this lane's place in the local range's part
+    in_loc = (j >= 0) & (j < n_loc)
+    val = tl.where(w < sink_end, w, tl.where(in_loc, l0 + j, -1))
+    lanes = ((w < sink_end) | in_loc | (w >= n_sel)) & (w < WIDTH)
+    tl.store(out + w, val, mask=lanes & do)
+    tl.store(out + sink_end + before + below_local, ux, mask=ukeep & do)
+    tl.store(OUT_CNT_ROW, n_sel, mask=do)
+
+
 def _decide_kernel(
     Q,
     AQ,
@@ -98,6 +127,10 @@ def _decide_kernel(
     NONFINITE,
     TAU,
     ANY,
+    AUNION,
+    AUCNT,
+    OUT_IDX,
+    OUT_CNT,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -107,8 +140,15 @@ def _decide_kernel(
     stride_alen_h,
     stride_tau_n,
     stride_tau_h,
+    stride_un_n,
+    stride_un_h,
+    stride_uc_n,
+    stride_uc_h,
+    stride_oi_b,
+    stride_oi_h,
     tau,
     n_local,
+    n_sink,
     HKV: tl.constexpr,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -117,6 +157,14 @@ def _decide_kernel(
     COUNT: tl.constexpr,
     TAU_MODE: tl.constexpr,
     HAS_ANY: tl.constexpr,
+    EARLY: tl.constexpr,
+    BS: tl.constexpr,
+    WL: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    U_W: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    HOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -151,6 +199,25 @@ def _decide_kernel(
     tl.store(RETRIEVE + pid, retrieve.to(tl.int8))
     if HAS_ANY:  # every retrieving row writes the same 1: a benign race, no atomic needed
         tl.store(ANY, tl.full((), 1, tl.int8), mask=retrieve)
+    if EARLY:
+        # Every row that does not retrieve gets its selection now (cis_decide_compose): a reuse
+        # its anchor's union between its windows, a bad row its windows alone. The union is
+        # loaded whole, not cut at its count first: no round trip waits on the count.
+        nb_seq = (seq + BS - 1) // BS
+        sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
+        first = tl.maximum(seq - n_local, 0) // BS
+        if HOLD:  # a reusing row's local window starts where its anchor's did
+            held = tl.maximum(tl.minimum(ta, seq) - n_local, 0) // BS
+            first = tl.where(bad, first, held)
+        offs_u = tl.arange(0, BLOCK_U)
+        n_union = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
+        n_union = tl.where(bad, 0, n_union)
+        u_row = AUNION + slot * stride_un_n + h * stride_un_h
+        ux = tl.load(u_row + offs_u, mask=offs_u < U_W, other=2147483647)
+        ux = tl.where(offs_u < n_union, ux, 2147483647)
+        out = OUT_IDX + b.to(tl.int64) * stride_oi_b + h * stride_oi_h
+        _copy_between_windows(out, OUT_CNT + pid, ux, sink_end, first, nb_seq, ~retrieve,
+                              WL, WIDTH, BLOCK_W)  # fmt: skip
 
 
 def _block_scores_kernel(
@@ -318,6 +385,7 @@ def _compose_kernel(
     HOLD: tl.constexpr,
     HAS_ANY: tl.constexpr,
     UNION: tl.constexpr,
+    ONLY_RETRIEVING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
@@ -348,27 +416,20 @@ def _compose_kernel(
     copy = False
     if UNION:
         copy = (~retrieve) & (~bad)
-    if copy:
+    skip = False
+    if ONLY_RETRIEVING:  # the other rows' selections were written by the decision
+        skip = ~retrieve
+    if skip:
+        pass
+    elif copy:
         # A reuse with its anchor's union U = S_a ∪ dilate(S_a) stored ascending and distinct:
         # the selection is the sink range, the entries of U outside both windows (below the
         # sequence's end) and the local range, each lane's place computed, nothing sorted.
         n_union = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
         offs_u = tl.arange(0, BLOCK_U)
         ux = tl.load(u_base + offs_u, mask=offs_u < n_union, other=big)
-        l_end = tl.minimum(first + WL, nb_seq)  # the local range: [first, l_end)
-        l0 = tl.maximum(first, sink_end)  # where its part outside the sink starts
-        n_loc = tl.maximum(l_end - l0, 0)
-        ukeep = (ux >= sink_end) & (ux < nb_seq) & ((ux < first) | (ux >= l_end))
-        before = tl.cumsum(ukeep.to(tl.int32), 0) - 1  # kept entries before this one
-        below_local = tl.minimum(tl.maximum(tl.minimum(ux, l_end) - l0, 0), n_loc)
-        c_lo = tl.sum((ukeep & (ux < first)).to(tl.int32), 0)  # kept entries below the window
-        n_sel = sink_end + tl.sum(ukeep.to(tl.int32), 0) + n_loc
-        j = w - sink_end - c_lo  # this lane's place in the local range's part
-        in_loc = (j >= 0) & (j < n_loc)
-        val = tl.where(w < sink_end, w, tl.where(in_loc, l0 + j, -1))
-        tl.store(out + w, val, mask=((w < sink_end) | in_loc | (w >= n_sel)) & (w < WIDTH))
-        tl.store(out + sink_end + before + below_local, ux, mask=ukeep)
-        tl.store(OUT_CNT + pid, n_sel)
+        _copy_between_windows(out, OUT_CNT + pid, ux, sink_end, first, nb_seq, True,
+                              WL, WIDTH, BLOCK_W)  # fmt: skip
     else:
         # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W.
         cand = tl.full([BLOCK_W], -1, tl.int32)
@@ -730,7 +791,12 @@ def cis_decide_triton(
     n_local: int,
     nonfinite: torch.Tensor | None,
     any_retrieve: torch.Tensor | None = None,
+    early: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decision's launch; with ``early`` (``cis_decide_compose``'s selection arguments:
+    ``anchor_union``, ``anchor_union_cnt``, ``out_indices``, ``out_counts``, ``n_sink``,
+    ``block_size``, ``windows``, ``hold_local``) it also writes the selection of every row that
+    does not retrieve."""
     b, hq, d = query.shape
     h = anchor_len.shape[1]
     g = hq // h
@@ -743,18 +809,38 @@ def cis_decide_triton(
         strides = (0, tau.stride(0))
     elif mode == 2:
         strides = (tau.stride(0), tau.stride(1))
+    if early is None:  # none of these is read
+        union, u_cnt, out_idx, out_cnt = anchor_len, anchor_len, seq_lens, seq_lens
+        consts = dict(BS=1, WL=1, WIDTH=1, BLOCK_W=2, U_W=1, BLOCK_U=2, HOLD=False)
+        n_sink = 0
+        out_strides = (0, 0)
+    else:
+        union, u_cnt = early["anchor_union"], early["anchor_union_cnt"]
+        out_idx, out_cnt = early["out_indices"], early["out_counts"]
+        n_sink = early["n_sink"]
+        u_w = union.shape[-1]
+        _, wl = early["windows"]
+        width = out_idx.shape[-1]
+        consts = dict(
+            BS=early["block_size"], WL=wl, WIDTH=width, BLOCK_W=_pow2(width, 16), U_W=u_w,
+            BLOCK_U=_pow2(u_w, 16), HOLD=early["hold_local"],
+        )  # fmt: skip
+        out_strides = (out_idx.stride(0), out_idx.stride(1))
     decide, *_ = _kernels(interpreting())
     decide[(b * h,)](
         query, anchor_q, anchor_len, slots, seq_lens, bad.view(torch.int8),
         retrieve.view(torch.int8), nonfinite if nonfinite is not None else seq_lens,
         tau if tensor else seq_lens,
         any_retrieve.view(torch.int8) if any_retrieve is not None else seq_lens,
+        union, u_cnt, out_idx, out_cnt,
         query.stride(0), query.stride(1),
         anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
         anchor_len.stride(0), anchor_len.stride(1), *strides,
-        0.0 if tensor else float(tau), n_local,
+        union.stride(0), union.stride(1), u_cnt.stride(0), u_cnt.stride(1), *out_strides,
+        0.0 if tensor else float(tau), n_local, n_sink,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
-        TAU_MODE=mode, HAS_ANY=any_retrieve is not None, num_warps=4,
+        TAU_MODE=mode, HAS_ANY=any_retrieve is not None, EARLY=early is not None, **consts,
+        num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
@@ -826,6 +912,7 @@ def cis_compose_triton(
     any_retrieve: torch.Tensor | None = None,
     anchor_union: torch.Tensor | None = None,
     anchor_union_cnt: torch.Tensor | None = None,
+    retrieving_only: bool = False,
 ) -> None:
     b, hq, d = query.shape
     h = anchor_len.shape[1]
@@ -860,7 +947,7 @@ def cis_compose_triton(
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
         NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
         BLOCK_W=block_w, BLOCK_U=_pow2(mm + 2 * r * m, 16), BS=block_size, HOLD=hold_local,
-        HAS_ANY=any_retrieve is not None, UNION=union,
+        HAS_ANY=any_retrieve is not None, UNION=union, ONLY_RETRIEVING=retrieving_only,
         num_warps=_compose_warps(block_w),
     )  # fmt: skip
 
