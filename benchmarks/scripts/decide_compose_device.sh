@@ -5,7 +5,7 @@
 set -e
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src:$PWD/packages/prhs-eval/src
 python benchmarks/scripts/decide_compose_check.py 2>&1 | tee $OUT/decide_compose_check.txt
-POINTS="llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS llama3-8b:16:16384:CIS" VARIANTS="at${BASE:-fe28295} base" \
+POINTS=${POINTS:-"llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS llama3-8b:16:16384:CIS"} VARIANTS="at${BASE:-fe28295} base" \
     bash benchmarks/scripts/tuning_ab_device.sh > $OUT/ab.log 2>&1 || tail -30 $OUT/ab.log
 python - "$OUT/all-rows.jsonl" <<'PY' | tee $OUT/ab.txt
 import json, sys
