@@ -1,8 +1,10 @@
-"""The CIS decision that also writes the non-retrieving rows' selections (``cis_decide_compose``,
-then ``cis_compose(..., retrieving_only=True)``) on a GPU: the Triton launches against the torch
-decision and composition (retrieve / bad, selection, counts, anchors, unions, the non-finite
-count, the retrieval flag) on random states, then a reuse step's two launches timed back to back
-in a CUDA graph against the decision and the whole composition, at the Table V CIS-8 shapes.
+"""The CIS decision that also writes the non-retrieving rows' selections (``cis_decide_compose``)
+on a GPU, the retrieving rows then composed by ``cis_compose(..., retrieving_only=True)``
+(``split``) or in the top-k's last launch (``top_blocks_compose``, ``fused``): the Triton
+launches against the torch decision, top-k and composition (retrieve / bad, selection, counts,
+anchors, unions, the non-finite count, the retrieval flag) on random states, then a reuse step's
+launches (decision, top-k, composition) timed back to back in a CUDA graph, ``old`` (the three
+separate) against ``split`` and ``fused``, at the Table V CIS-8 shapes.
 
     python benchmarks/scripts/decide_compose_check.py
 """
@@ -17,6 +19,8 @@ from prhs_kernels.cis import (
     cis_decide,
     cis_decide_compose,
     cis_local_width,
+    top_blocks,
+    top_blocks_compose,
 )
 from prhs_kernels.compose import window_widths
 from prhs_kernels.timing import median_ms
@@ -42,8 +46,8 @@ def case(b, h, g, d, mm, m, r, s, n_local, hold, max_len, p_fresh, p_bad, seed):
     idx = torch.where(torch.arange(mm) < cnt.unsqueeze(-1), idx, -1).to(torch.int32)
     union, ucnt = anchor_union_reference(idx, cnt, m, r)
     scores = torch.rand(b, h, nb, generator=gen)
-    scores[scores < 0.2] = float("-inf")
-    new_scores, new_idx = torch.topk(scores, mm, dim=-1)
+    own = -(-lens // s)
+    scores[(scores < 0.2) | (torch.arange(nb) >= own.view(-1, 1, 1))] = float("-inf")
     query = torch.randn(b, h * g, d, generator=gen).bfloat16()
     bad = torch.rand(b, h, generator=gen) < p_bad
     query.view(b, h, g * d)[bad] = float("nan")
@@ -51,7 +55,7 @@ def case(b, h, g, d, mm, m, r, s, n_local, hold, max_len, p_fresh, p_bad, seed):
     width = ws + mm + 2 * r * m + cis_local_width(n_local, s, hold)
     t = lambda x: x.to(dev)  # noqa: E731
     return dict(
-        query=t(query), new=(t(new_idx.to(torch.int32)), t(new_scores)),
+        query=t(query), scores=t(scores), mm=mm,
         state=tuple(map(t, (aq, alen, idx, cnt, torch.zeros(n, h, dtype=torch.float64),
                             union, ucnt))),
         slots=t(slots), lens=t(lens), width=width,
@@ -59,9 +63,10 @@ def case(b, h, g, d, mm, m, r, s, n_local, hold, max_len, p_fresh, p_bad, seed):
     )  # fmt: skip
 
 
-def step(c, split, path, state=None):
-    """One layer's decision and composition; ``(fn, outputs)`` (``fn`` runs it again)."""
-    st = state if state is not None else tuple(x.clone() for x in c["state"])
+def step(c, mode, path):
+    """One layer's decision, top-k and composition (``mode``: ``old``, ``split`` or ``fused``,
+    as the module says); ``(fn, outputs)`` (``fn`` runs it again)."""
+    st = tuple(x.clone() for x in c["state"])
     b, h = c["lens"].shape[0], st[1].shape[1]
     dev = c["query"].device
     out = torch.full((b, h, c["width"]), 777, dtype=torch.int32, device=dev)
@@ -69,27 +74,37 @@ def step(c, split, path, state=None):
     nonfinite = torch.zeros(1, dtype=torch.int64, device=dev)
     flag = torch.zeros(1, dtype=torch.bool, device=dev)
     kw, n_local = c["kw"], c["kw"]["n_local"]
+    sel = dict(out_indices=out, out_counts=cnt)
+    union = dict(anchor_union=st[5], anchor_union_cnt=st[6])
     got = {}
 
     def fn():
-        if split:
-            rb = cis_decide_compose(
-                c["query"], *st[:4], st[5], st[6], c["slots"], c["lens"], tau=-1.0, **kw,
-                out_indices=out, out_counts=cnt, nonfinite=nonfinite, any_retrieve=flag,
-                path=path,
-            )  # fmt: skip
-        else:
+        if mode == "old":
             rb = cis_decide(
                 c["query"], st[0], st[1], c["slots"], c["lens"], tau=-1.0, n_local=n_local,
                 nonfinite=nonfinite, any_retrieve=flag, path=path,
             )  # fmt: skip
+        else:
+            rb = cis_decide_compose(
+                c["query"], *st[:4], st[5], st[6], c["slots"], c["lens"], tau=-1.0, **kw, **sel,
+                nonfinite=nonfinite, any_retrieve=flag, path=path,
+            )  # fmt: skip
         got["rb"] = rb
-        cis_compose(c["query"], *rb, *c["new"], *st[:5], c["slots"], c["lens"], **kw,
-                    out_indices=out, out_counts=cnt, any_retrieve=flag, anchor_union=st[5],
-                    anchor_union_cnt=st[6], retrieving_only=split, path=path)  # fmt: skip
+        common = (*st[:5], c["slots"], c["lens"])
+        if mode == "fused":
+            got["top"] = top_blocks_compose(
+                c["scores"], c["mm"], c["query"], *rb, *common, **kw, **sel, **union,
+                any_retrieve=flag, path=path,
+            )  # fmt: skip
+            return
+        got["top"] = top_blocks(c["scores"], c["mm"], rb[0], path=path)
+        cis_compose(c["query"], *rb, *got["top"], *common, **kw, **sel, any_retrieve=flag,
+                    **union, retrieving_only=mode == "split", path=path)  # fmt: skip
 
     fn()
-    return fn, (*got["rb"], out, cnt, nonfinite, flag, *st)
+    retrieve = got["rb"][0]
+    top = tuple(torch.where(retrieve.unsqueeze(-1), x, 0) for x in got["top"])
+    return fn, (*got["rb"], *top, out, cnt, nonfinite, flag, *st)
 
 
 def graph_us(fns):
@@ -115,25 +130,26 @@ def main() -> None:
     for seed, (hold, s, m, r, p_fresh, p_bad) in enumerate(cases):
         mm = 128 if s == 8 else 64
         c = case(16, 8, 4, 128, mm, m, r, s, 32, hold, 5000, p_fresh, p_bad, seed)
-        _, got = step(c, True, "triton")
-        _, want = step(c, False, "torch")
-        ok = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        rows = got[0]
-        print(f"case {seed} (hold={hold}, s={s}, m={m}, r={r}; {int(rows.sum())} of "
-              f"{rows.numel()} rows retrieve, {int(got[1].sum())} bad): "
-              f"{'equal' if ok else 'DIFFERENT'}")  # fmt: skip
-        bad_cases += not ok
+        _, want = step(c, "old", "torch")
+        for mode in ("split", "fused"):
+            _, got = step(c, mode, "triton")
+            ok = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            rows = got[0]
+            print(f"case {seed} {mode} (hold={hold}, s={s}, m={m}, r={r}; {int(rows.sum())} "
+                  f"of {rows.numel()} rows retrieve, {int(got[1].sum())} bad): "
+                  f"{'equal' if ok else 'DIFFERENT'}")  # fmt: skip
+            bad_cases += not ok
     # Reuse steps (every row reuses) at the Table V CIS-8 shapes: M 128, m 42, r 1, s 8.
     for name, b, h, g in (("llama2-7b B1", 1, 32, 1), ("llama3-8b B8", 8, 8, 4),
                           ("llama3-8b B16", 16, 8, 4), ("llama2-7b B8", 8, 32, 1)):  # fmt: skip
         times = {}
-        for split in (False, True):
+        for mode in ("old", "split", "fused"):
             layers = [case(b, h, g, 128, 128, 42, 1, 8, 32, True, 16384, 1.0, 0.0, 7 + i)
                       for i in range(BURST)]  # fmt: skip
-            times[split] = graph_us([step(c, split, "triton")[0] for c in layers])
-        print(f"{name}: a reuse step's decision + composition {times[False]:.2f} µs; "
-              f"decision writing the selection + composition of the retrieving rows "
-              f"{times[True]:.2f} µs (back to back, per layer)")  # fmt: skip
+            times[mode] = graph_us([step(c, mode, "triton")[0] for c in layers])
+        print(f"{name}: a reuse step's decision, top-k and composition, µs a layer back to "
+              f"back: old {times['old']:.2f}, split {times['split']:.2f}, "
+              f"fused {times['fused']:.2f}")  # fmt: skip
     if bad_cases:
         raise SystemExit(f"{bad_cases} case(s) differ from the reference")
 

@@ -13,6 +13,7 @@ from prhs_kernels.cis import (
     cis_decide,
     cis_decide_compose,
     cis_local_width,
+    top_blocks_compose,
 )
 from prhs_kernels.compose import window_widths
 
@@ -118,13 +119,18 @@ def _compile_for_hopper(fn, args, kw):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    given = {**dict(zip(fn.arg_names, args, strict=False)), **kw}
+    options = {"num_warps": given.pop("num_warps")}
+    given.pop("num_stages", None)
+    const = {p.name: given[p.name] for p in fn.params if p.is_constexpr}
     sig = {
-        name: _PTR[a.dtype] if isinstance(a, torch.Tensor) else "i32"
-        for name, a in zip(fn.arg_names, args, strict=False)
+        p.name: "constexpr"
+        if p.is_constexpr
+        else _PTR[given[p.name].dtype]
+        if isinstance(given[p.name], torch.Tensor)
+        else "i32"
+        for p in fn.params
     }
-    const = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
-    sig.update(dict.fromkeys(const, "constexpr"))
-    options = {"num_warps": kw["num_warps"]}
     triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -306,3 +312,56 @@ def test_compose_retrieving_only_needs_the_union():
     with pytest.raises(ValueError, match="retrieving_only composes after cis_decide_compose"):
         cis_compose(query, retrieve, bad, new_idx, new_scores, *state, slots, lens, **kw,
                     out_indices=out[0], out_counts=out[1], retrieving_only=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(("nb", "mm", "m", "r", "s"), [(512, 128, 42, 1, 8), (2048, 64, 7, 3, 1)])
+def test_the_fused_top_k_and_composition_compiles_for_a_hopper_gpu(monkeypatch, nb, mm, m, r, s):
+    """``top_blocks_compose``'s launch (the top-k's last pass composing its row), caught on the
+    CPU and compiled for sm_90, as the composition's above."""
+    pytest.importorskip("triton")
+    import prhs_kernels.cis.triton as ct
+
+    catch = _Catch()
+    real = ct._topk_compose_jit(False)
+    monkeypatch.setattr(ct, "_topk_compose_jit", lambda interp: catch)
+    b, h, g, d, n = 4, 2, 4, 128, 5
+    state, fields = _caught_state(n, h, g, d, mm, m, r)
+    width = window_widths(4, 32, s)[0] + mm + 2 * r * m + cis_local_width(32, s, True)
+    no = torch.zeros(b, h, dtype=torch.bool)
+    top_blocks_compose(
+        torch.zeros(b, h, nb), mm, torch.zeros(b, h * g, d, dtype=torch.bfloat16), no, no,
+        *state, torch.arange(b), torch.full((b,), 10, dtype=torch.int32), n_sink=4, n_local=32,
+        block_size=s, m=m, r=r, out_indices=torch.zeros(b, h, width, dtype=torch.int32),
+        out_counts=torch.zeros(b, h, dtype=torch.int32), hold_local=True, **fields,
+        any_retrieve=torch.zeros(1, dtype=torch.bool), path="triton",
+    )  # fmt: skip
+    _compile_for_hopper(real, *catch.launches.pop())
+
+
+def test_top_blocks_compose_refuses_bad_input_before_any_write():
+    query, retrieve, bad, _, _, state, slots, lens, out, kw = _case()
+    union = torch.zeros(3, 2, 8, dtype=torch.int32)
+    u_cnt = torch.zeros(3, 2, dtype=torch.int32)
+    scores = torch.rand(2, 2, 20)
+    before = [t.clone() for t in (*state, union, u_cnt)]
+    out[0].fill_(99)
+    out[1].fill_(99)
+    for change, match in [
+        (dict(anchor_union=None), "needs the anchors' union"),
+        (dict(scores=scores[:1]), "scores"),
+        (dict(m_top=5), r"m_top \(5\) must not exceed"),
+        (dict(retrieve=retrieve[:1]), "retrieve"),
+        (dict(out_counts=out[1][:1]), "out_counts"),
+    ]:
+        args = dict(scores=scores, m_top=4, retrieve=retrieve, anchor_union=union,
+                    out_counts=out[1])  # fmt: skip
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            top_blocks_compose(
+                args["scores"], args["m_top"], query, args["retrieve"], bad, *state, slots,
+                lens, **kw, out_indices=out[0], out_counts=args["out_counts"],
+                anchor_union=args["anchor_union"], anchor_union_cnt=u_cnt,
+            )  # fmt: skip
+    assert (out[0] == 99).all() and (out[1] == 99).all()
+    for got, was in zip((*state, union, u_cnt), before, strict=True):
+        assert torch.equal(got, was)

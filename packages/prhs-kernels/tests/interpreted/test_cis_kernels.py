@@ -18,6 +18,7 @@ from prhs_kernels.cis import (
     cis_path,
     retrieval_block_scores,
     top_blocks,
+    top_blocks_compose,
 )
 from prhs_kernels.cis import triton as cis_triton
 from prhs_kernels.compose import window_widths
@@ -458,6 +459,67 @@ def test_decide_compose_then_the_retrieving_rows_equal_decide_then_compose(
             assert torch.equal(got[live][fresh], want[live][fresh])
             continue
         assert torch.equal(got, want), i
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize(
+    ("s", "n_sink", "n_local", "m_blocks", "m", "r"),
+    [(8, 4, 32, 12, 4, 1), (1, 2, 6, 10, 3, 2), (4, 0, 0, 5, 5, 1), (2, 3, 5, 9, 9, 3)],
+)
+def test_top_blocks_compose_ranks_and_composes_the_retrieving_rows(
+    monkeypatch, s, n_sink, n_local, m_blocks, m, r, hold, passes
+):
+    """The fused top-k (the retrieving rows composed in the program that ranked them, in its
+    last pass) after ``cis_decide_compose``: the winners, selection, counts, anchors, unions
+    and the cleared flag are the torch path's (``top_blocks`` then ``cis_compose(...,
+    retrieving_only=True)``); in one pass and, with the thresholds made small, in several."""
+    if passes == 3:
+        monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", 16)
+        monkeypatch.setattr(cis_triton, "TOPK_CHUNK", 16)
+        monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 512)
+    query, state, slots, lens, _, _ = _decide_compose_case(
+        5 * s + m_blocks + r, s, n_sink, n_local, m_blocks, m, r
+    )
+    # Rows as wide as a cache of 100 blocks or more (the block scores' width), -inf past each
+    # sequence's own blocks, as the block-score pass writes them.
+    nb = max(-(-int(lens.max()) // s), 100)
+    gen = torch.Generator().manual_seed(nb + m)
+    scores = torch.rand(6, 2, nb, generator=gen)
+    own = -(-lens // s)
+    scores[(scores < 0.3) | (torch.arange(nb) >= own.view(-1, 1, 1))] = float("-inf")
+    k = min(m_blocks, nb)
+    if passes == 3:
+        plan = cis_triton._topk_plan(nb, k)
+        assert plan is not None and len(plan) >= 2, plan
+    ws, _ = window_widths(n_sink, n_local, s)
+    width = ws + m_blocks + 2 * r * m + cis_local_width(n_local, s, hold)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r, hold_local=hold)
+    runs = []
+    for path in ("torch", PATH):
+        st = [t.clone() for t in state]
+        out_idx = torch.full((6, 2, width), 12345, dtype=torch.int32)
+        out_cnt = torch.full((6, 2), 12345, dtype=torch.int32)
+        flag = torch.zeros(1, dtype=torch.bool)
+        retrieve, bad = cis_decide_compose(
+            query, st[0], st[1], st[2], st[3], st[5], st[6], slots, lens, tau=-1.0, **kw,
+            out_indices=out_idx, out_counts=out_cnt, any_retrieve=flag, path=path,
+        )  # fmt: skip
+        assert flag.item()
+        got = top_blocks_compose(
+            scores, m_blocks, query, retrieve, bad, *st[:5], slots, lens, **kw,
+            out_indices=out_idx, out_counts=out_cnt, anchor_union=st[5],
+            anchor_union_cnt=st[6], any_retrieve=flag, path=path,
+        )  # fmt: skip
+        runs.append((retrieve, got, out_idx, out_cnt, st, flag))
+    (wr, (wi, wv), wo, wc, ws_, wf), (gr, (gi, gv), go, gc, gs, gf) = runs
+    assert torch.equal(gr, wr) and gr.any() and (~gr).any()
+    assert torch.equal(gi[gr], wi[gr]) and torch.equal(gv[gr], wv[gr])
+    assert torch.equal(go, wo) and torch.equal(gc, wc)
+    assert not (gc == 12345).any()
+    for i, (a, b) in enumerate(zip(gs, ws_, strict=True)):
+        assert torch.equal(a, b), i
+    assert not gf.item() and not wf.item()
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,6 @@ the set actually read, for each query head.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +69,7 @@ from prhs_kernels.cis import (
     retrieval_block_scores,
     retrieval_pool,
     top_blocks,
+    top_blocks_compose,
 )
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.graphs import run_if
@@ -682,11 +682,11 @@ class CIS(BaseSelector):
         (``rescore``), score the retrieving rows' blocks, take their top ``k/s`` (and the next
         ``R``), compose and update the anchors. With the anchors' unions (no ``rescore``, no
         random expansion) the decision's launch writes the reusing rows' selections itself
-        (:func:`prhs_kernels.cis.cis_decide_compose`) and the composition writes the retrieving
-        rows alone. In a captured step the retrieval's kernels (and then that composition) sit
-        in a conditional node (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no
-        row retrieves (``state.retrieving``, set by the decision, cleared by the
-        composition)."""
+        (:func:`prhs_kernels.cis.cis_decide_compose`) and the top-k's launch composes the
+        retrieving rows (:func:`prhs_kernels.cis.top_blocks_compose`). In a captured step the
+        retrieval's kernels (and then that composition) sit in a conditional node
+        (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no row retrieves
+        (``state.retrieving``, set by the decision, cleared by the composition)."""
         c = self.config
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
@@ -698,8 +698,8 @@ class CIS(BaseSelector):
             union = dict(anchor_union=pool["anchor_union"][:, layer],
                          anchor_union_cnt=pool["anchor_ucnt"][:, layer])  # fmt: skip
         # With the anchors' unions (and no random expansion) the decision's launch also writes
-        # every non-retrieving row's selection; the composition after the retrieval then has
-        # the retrieving rows alone to write.
+        # every non-retrieving row's selection; the retrieving rows are composed in the top-k's
+        # launch (top_blocks_compose), inside the retrieval's conditional node.
         early = bool(union) and not random
         decide_args = (query, anchor["anchor_q"], anchor["anchor_len"])
         decide_kw = dict(
@@ -755,6 +755,15 @@ class CIS(BaseSelector):
                 new_idx, new_scores = retrieval_pool(
                     scores, m_width, n_next, retrieve, anchor_next, slots, path=path
                 )
+            elif early:  # ranked and composed, the retrieving rows only, in one launch
+                top_blocks_compose(
+                    scores, m_width, query, retrieve, bad,
+                    *(anchor[n] for n in _ANCHOR_FIELDS), slots, kv.seq_lens,
+                    n_sink=c.n_sink, n_local=c.n_local, block_size=c.block_size,
+                    m=self.union_m(), r=c.r, out_indices=sel.indices, out_counts=sel.counts,
+                    hold_local=c.hold_local, any_retrieve=state.retrieving, **union,
+                    path=path,
+                )  # fmt: skip
             else:
                 new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         if random:  # compose without dilation, then add the random blocks
@@ -764,9 +773,7 @@ class CIS(BaseSelector):
             reused = ~retrieve & ~bad  # before cis_compose makes the retrieving rows anchors
         else:
             out_idx, out_cnt = sel.indices, sel.counts
-        # (after cis_decide_compose only the retrieving rows are left: a replay whose decision
-        # found none skips this with the retrieval, where graphs have conditional nodes)
-        with run_if(state.retrieving) if early else contextlib.nullcontext():
+        if not early:
             cis_compose(
                 query,
                 retrieve,
@@ -786,7 +793,6 @@ class CIS(BaseSelector):
                 hold_local=c.hold_local,
                 any_retrieve=state.retrieving,
                 **union,
-                retrieving_only=early,
                 path=path,
             )
         if random:

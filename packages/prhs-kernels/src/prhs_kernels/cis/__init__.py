@@ -8,7 +8,8 @@
 - :func:`top_blocks` -- the ``M`` best blocks by score, largest first;
 - :func:`cis_decide_compose` -- the decision and, in its launch, the selection of every row
   that does not retrieve (from its anchor's union); ``cis_compose(..., retrieving_only=True)``
-  then writes the retrieving rows after their retrieval;
+  then writes the retrieving rows after their retrieval (:func:`top_blocks_compose`: in the
+  top-k's last launch);
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
   that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
@@ -63,6 +64,7 @@ __all__ = [
     "retrieval_block_scores_reference",
     "retrieval_pool",
     "top_blocks",
+    "top_blocks_compose",
 ]
 
 
@@ -393,6 +395,79 @@ def cis_compose(
     )  # fmt: skip
     if any_retrieve is not None:
         any_retrieve.zero_()
+
+
+def top_blocks_compose(
+    scores: torch.Tensor,
+    m_top: int,
+    query: torch.Tensor,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    anchor_union: torch.Tensor,
+    anchor_union_cnt: torch.Tensor,
+    hold_local: bool = False,
+    any_retrieve: torch.Tensor | None = None,
+    path: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_blocks(scores, m_top, retrieve)``, then ``cis_compose(..., retrieving_only=True)``
+    of the retrieving rows with those winners (after :func:`cis_decide_compose` wrote the other
+    rows); returns the winners as :func:`top_blocks` does. On the Triton path, where the top-k
+    kernel ranks the rows, the composition runs in the top-k's last launch, in the program that
+    ranked its row: no launch of its own (a step where no row retrieves still launches the
+    top-k, which then writes empty winners and composes nothing)."""
+    b = query.shape[0]
+    h = _check_anchors(anchor_len, slots, seq_lens, b)
+    check_bool_mask("retrieve", retrieve, (b, h))
+    check_bool_mask("bad", bad, (b, h))
+    check_shape("scores", scores, (b, h, scores.shape[-1]), "[B, Hkv, NB]")
+    if m_top > anchor_idx.shape[-1]:
+        raise ValueError(
+            f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
+        )
+    if anchor_union is None or anchor_union_cnt is None:
+        raise ValueError("top_blocks_compose composes the retrieving rows only: it needs the "
+                         "anchors' union (anchor_union, anchor_union_cnt)")  # fmt: skip
+    ws, wl = _check_selection_args(
+        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
+        out_indices, out_counts, anchor_union, anchor_union_cnt,
+    )  # fmt: skip
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
+    k = min(m_top, scores.shape[-1])
+    anchors = (anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r,
+              out_indices=out_indices, out_counts=out_counts, hold_local=hold_local)  # fmt: skip
+    if path.startswith("triton") and k >= 1:
+        from prhs_kernels.cis.triton import top_blocks_compose_triton, top_blocks_fits
+
+        if top_blocks_fits(scores.shape[-1], k):
+            announce("top_blocks_compose", path, query.device)
+            return top_blocks_compose_triton(
+                scores, k, retrieve, query, *anchors, anchor_union, anchor_union_cnt, slots,
+                seq_lens, **kw, windows=(ws, wl), any_retrieve=any_retrieve,
+            )  # fmt: skip
+    new_idx, new_scores = top_blocks(scores, m_top, retrieve, path=path)
+    cis_compose(
+        query, retrieve, bad, new_idx, new_scores, *anchors, slots, seq_lens, **kw,
+        any_retrieve=any_retrieve, anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt,
+        retrieving_only=True, path=path,
+    )  # fmt: skip
+    return new_idx, new_scores
 
 
 def _check_selection_args(

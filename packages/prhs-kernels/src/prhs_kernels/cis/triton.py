@@ -47,6 +47,7 @@ __all__ = [
     "rescore_write_triton",
     "retrieval_block_scores_triton",
     "retrieval_pool_triton",
+    "top_blocks_compose_triton",
     "top_blocks_fits",
     "top_blocks_triton",
 ]
@@ -325,10 +326,12 @@ def _sorted_distinct(x, SCRATCH_ROW, BLOCK: tl.constexpr):
     return x, keep, rank, tl.sum(keep.to(tl.int32), 0)
 
 
-def _compose_kernel(
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _compose_row(
+    pid,
+    retrieve,
+    bad,
     Q,
-    RETRIEVE,
-    BAD,
     NEW_IDX,
     NEW_SCORES,
     AQ,
@@ -340,10 +343,9 @@ def _compose_kernel(
     AUCNT,
     SLOTS,
     LENS,
-    OUT_IDX,
-    OUT_CNT,
-    SCRATCH,
-    ANY,
+    SEL_IDX,
+    SEL_CNT,
+    SEL_SCRATCH,
     stride_qb,
     stride_qh,
     stride_aq_n,
@@ -361,8 +363,8 @@ def _compose_kernel(
     stride_un_h,
     stride_uc_n,
     stride_uc_h,
-    stride_oi_b,
-    stride_oi_h,
+    stride_si_b,
+    stride_si_h,
     n_sink,
     n_local,
     HKV: tl.constexpr,
@@ -383,24 +385,22 @@ def _compose_kernel(
     BLOCK_U: tl.constexpr,
     BS: tl.constexpr,
     HOLD: tl.constexpr,
-    HAS_ANY: tl.constexpr,
     UNION: tl.constexpr,
     ONLY_RETRIEVING: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
-        tl.store(ANY, tl.full((), 0, tl.int8), mask=pid == 0)
+    """Row ``pid``'s composition (``retrieve`` / ``bad``: its decision, int1 scalars): its
+    selection written into ``SEL_IDX`` / ``SEL_CNT`` (``ONLY_RETRIEVING``: a retrieving row's
+    alone) and, if it retrieves, its anchor updated from ``NEW_IDX`` / ``NEW_SCORES`` (row
+    ``pid``'s ``NEW_M`` entries). The compose kernel's program, and the fused top-k's tail."""
     b = pid // HKV
     h = pid % HKV
     slot = tl.load(SLOTS + b).to(tl.int64)
     seq = tl.load(LENS + b)
-    retrieve = tl.load(RETRIEVE + pid) != 0
-    bad = tl.load(BAD + pid) != 0
     nb_seq = (seq + BS - 1) // BS
     big = 2147483647
     w = tl.arange(0, BLOCK_W)
-    out = OUT_IDX + b.to(tl.int64) * stride_oi_b + h * stride_oi_h
-    scratch = SCRATCH + pid.to(tl.int64) * BLOCK_W
+    out = SEL_IDX + b.to(tl.int64) * stride_si_b + h * stride_si_h
+    scratch = SEL_SCRATCH + pid.to(tl.int64) * BLOCK_W
     # sink: blocks 0 .. ceil(min(seq, n_sink) / s) - 1
     sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
     # local: first = max(seq - n_local, 0) // s, WL blocks from there; with HOLD, a reusing
@@ -428,7 +428,7 @@ def _compose_kernel(
         n_union = tl.load(AUCNT + slot * stride_uc_n + h * stride_uc_h)
         offs_u = tl.arange(0, BLOCK_U)
         ux = tl.load(u_base + offs_u, mask=offs_u < n_union, other=big)
-        _copy_between_windows(out, OUT_CNT + pid, ux, sink_end, first, nb_seq, True,
+        _copy_between_windows(out, SEL_CNT + pid, ux, sink_end, first, nb_seq, True,
                               WL, WIDTH, BLOCK_W)  # fmt: skip
     else:
         # Candidates, laid out as [sink | list | dilation | local | padding] over BLOCK_W.
@@ -468,7 +468,7 @@ def _compose_kernel(
         x, keep, rank, count = _sorted_distinct(x, scratch, BLOCK_W)
         tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < WIDTH))
         tl.store(out + rank, x, mask=keep)
-        tl.store(OUT_CNT + pid, count)
+        tl.store(SEL_CNT + pid, count)
 
     # A retrieving row becomes the anchor.
     if retrieve:
@@ -523,6 +523,136 @@ def _compose_kernel(
             tl.store(AUCNT + slot * stride_uc_n + h * stride_uc_h, ucount)
 
 
+def _compose_kernel(
+    Q,
+    RETRIEVE,
+    BAD,
+    NEW_IDX,
+    NEW_SCORES,
+    AQ,
+    ALEN,
+    AIDX,
+    ACNT,
+    ALOGD,
+    AUNION,
+    AUCNT,
+    SLOTS,
+    LENS,
+    SEL_IDX,
+    SEL_CNT,
+    SEL_SCRATCH,
+    ANY,
+    stride_qb,
+    stride_qh,
+    stride_aq_n,
+    stride_aq_h,
+    stride_aq_g,
+    stride_alen_n,
+    stride_alen_h,
+    stride_aidx_n,
+    stride_aidx_h,
+    stride_acnt_n,
+    stride_acnt_h,
+    stride_alogd_n,
+    stride_alogd_h,
+    stride_un_n,
+    stride_un_h,
+    stride_uc_n,
+    stride_uc_h,
+    stride_si_b,
+    stride_si_h,
+    n_sink,
+    n_local,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NEW_M: tl.constexpr,
+    DIL_M: tl.constexpr,
+    R: tl.constexpr,
+    R2: tl.constexpr,
+    WS: tl.constexpr,
+    WL: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BS: tl.constexpr,
+    HOLD: tl.constexpr,
+    UNION: tl.constexpr,
+    ONLY_RETRIEVING: tl.constexpr,
+    HAS_ANY: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
+        tl.store(ANY, tl.full((), 0, tl.int8), mask=pid == 0)
+    retrieve = tl.load(RETRIEVE + pid) != 0
+    bad = tl.load(BAD + pid) != 0
+    _compose_row(
+        pid,
+        retrieve,
+        bad,
+        Q,
+        NEW_IDX,
+        NEW_SCORES,
+        AQ,
+        ALEN,
+        AIDX,
+        ACNT,
+        ALOGD,
+        AUNION,
+        AUCNT,
+        SLOTS,
+        LENS,
+        SEL_IDX,
+        SEL_CNT,
+        SEL_SCRATCH,
+        stride_qb,
+        stride_qh,
+        stride_aq_n,
+        stride_aq_h,
+        stride_aq_g,
+        stride_alen_n,
+        stride_alen_h,
+        stride_aidx_n,
+        stride_aidx_h,
+        stride_acnt_n,
+        stride_acnt_h,
+        stride_alogd_n,
+        stride_alogd_h,
+        stride_un_n,
+        stride_un_h,
+        stride_uc_n,
+        stride_uc_h,
+        stride_si_b,
+        stride_si_h,
+        n_sink,
+        n_local,
+        HKV,
+        G,
+        BLOCK_G,
+        D,
+        BLOCK_D,
+        M,
+        BLOCK_M,
+        NEW_M,
+        DIL_M,
+        R,
+        R2,
+        WS,
+        WL,
+        WIDTH,
+        BLOCK_W,
+        BLOCK_U,
+        BS,
+        HOLD,
+        UNION,
+        ONLY_RETRIEVING,
+    )
+
+
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def _prefix_count(flags, BLOCK: tl.constexpr, SEG: tl.constexpr):
     """Inclusive prefix count of ``flags [BLOCK]`` (bool), in segments of ``SEG`` lanes: a
@@ -539,7 +669,10 @@ def _prefix_count(flags, BLOCK: tl.constexpr, SEG: tl.constexpr):
     return out
 
 
-def _topk_kernel(
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _topk_program(
+    row,
+    c,
     SCORES,
     IDX_IN,
     ACTIVE,
@@ -569,9 +702,9 @@ def _topk_kernel(
     The chunk sits in registers; its ``k``-th largest key is found by a search over the 32-bit
     order-preserving integer image of the floats, ``RADIX_BITS`` bits a round, then the ``k``
     entries are compacted, and sorted, largest first, if ``SORT`` (else they stay in position
-    order: a first pass's winners need no order, and sorting them cost more than the search)."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
+    order: a first pass's winners need no order, and sorting them cost more than the search).
+    Program ``(row, c)``'s work: the top-k kernel's, and the fused top-k's before its
+    composition."""
     lo_pos = c * chunk
     n_here = tl.minimum(chunk, n - lo_pos)
     k_here = tl.minimum(k, n_here)
@@ -652,6 +785,219 @@ def _topk_kernel(
         tl.store(out_val, tl.full([BLOCK_K], float("-inf"), tl.float32), mask=offs_k < k)
 
 
+def _topk_kernel(
+    SCORES,
+    IDX_IN,
+    ACTIVE,
+    OUT_IDX,
+    OUT_VAL,
+    SCRATCH,
+    n,
+    stride_row,
+    k,
+    chunk,
+    n_chunks,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    SORT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr,
+    SEG: tl.constexpr,
+):
+    _topk_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        SCORES,
+        IDX_IN,
+        ACTIVE,
+        OUT_IDX,
+        OUT_VAL,
+        SCRATCH,
+        n,
+        stride_row,
+        k,
+        chunk,
+        n_chunks,
+        BLOCK,
+        BLOCK_K,
+        HAS_IDX,
+        SORT,
+        RADIX_BITS,
+        RADIX,
+        SEG,
+    )
+
+
+def _topk_compose_kernel(
+    SCORES,
+    IDX_IN,
+    ACTIVE,
+    OUT_IDX,
+    OUT_VAL,
+    SCRATCH,
+    n,
+    stride_row,
+    k,
+    chunk,
+    n_chunks,
+    Q,
+    AQ,
+    ALEN,
+    AIDX,
+    ACNT,
+    ALOGD,
+    AUNION,
+    AUCNT,
+    SLOTS,
+    LENS,
+    SEL_IDX,
+    SEL_CNT,
+    SEL_SCRATCH,
+    ANY,
+    stride_qb,
+    stride_qh,
+    stride_aq_n,
+    stride_aq_h,
+    stride_aq_g,
+    stride_alen_n,
+    stride_alen_h,
+    stride_aidx_n,
+    stride_aidx_h,
+    stride_acnt_n,
+    stride_acnt_h,
+    stride_alogd_n,
+    stride_alogd_h,
+    stride_un_n,
+    stride_un_h,
+    stride_uc_n,
+    stride_uc_h,
+    stride_si_b,
+    stride_si_h,
+    n_sink,
+    n_local,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    SORT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr,
+    SEG: tl.constexpr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NEW_M: tl.constexpr,
+    DIL_M: tl.constexpr,
+    R: tl.constexpr,
+    R2: tl.constexpr,
+    WS: tl.constexpr,
+    WL: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BS: tl.constexpr,
+    HOLD: tl.constexpr,
+    UNION: tl.constexpr,
+    ONLY_RETRIEVING: tl.constexpr,
+    HAS_ANY: tl.constexpr,
+):
+    # The last pass of the top-k (one program a row) and then, in the same program, the
+    # composition of its row if it retrieves (cis_compose's retrieving_only): the winners are
+    # read back from OUT_IDX / OUT_VAL, where this program has just stored them.
+    row = tl.program_id(0)
+    if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
+        tl.store(ANY, tl.full((), 0, tl.int8), mask=row == 0)
+    _topk_program(
+        row,
+        0,
+        SCORES,
+        IDX_IN,
+        ACTIVE,
+        OUT_IDX,
+        OUT_VAL,
+        SCRATCH,
+        n,
+        stride_row,
+        k,
+        chunk,
+        n_chunks,
+        BLOCK,
+        BLOCK_K,
+        HAS_IDX,
+        SORT,
+        RADIX_BITS,
+        RADIX,
+        SEG,
+    )
+    tl.debug_barrier()
+    act = tl.load(ACTIVE + row) != 0
+    _compose_row(
+        row,
+        act,
+        act != act,
+        Q,
+        OUT_IDX,
+        OUT_VAL,
+        AQ,
+        ALEN,
+        AIDX,
+        ACNT,
+        ALOGD,
+        AUNION,
+        AUCNT,
+        SLOTS,
+        LENS,
+        SEL_IDX,
+        SEL_CNT,
+        SEL_SCRATCH,
+        stride_qb,
+        stride_qh,
+        stride_aq_n,
+        stride_aq_h,
+        stride_aq_g,
+        stride_alen_n,
+        stride_alen_h,
+        stride_aidx_n,
+        stride_aidx_h,
+        stride_acnt_n,
+        stride_acnt_h,
+        stride_alogd_n,
+        stride_alogd_h,
+        stride_un_n,
+        stride_un_h,
+        stride_uc_n,
+        stride_uc_h,
+        stride_si_b,
+        stride_si_h,
+        n_sink,
+        n_local,
+        HKV,
+        G,
+        BLOCK_G,
+        D,
+        BLOCK_D,
+        M,
+        BLOCK_M,
+        NEW_M,
+        DIL_M,
+        R,
+        R2,
+        WS,
+        WL,
+        WIDTH,
+        BLOCK_W,
+        BLOCK_U,
+        BS,
+        HOLD,
+        UNION,
+        ONLY_RETRIEVING,
+    )
+
+
 TOPK_MAX_N = 16384
 """Most scores one top-k program holds in registers. A row longer than ``TOPK_ONE_PASS`` is cut
 into chunks of ``TOPK_CHUNK`` (or twice ``k``, rounded up to a power of two) whose top ``k``
@@ -695,12 +1041,19 @@ def top_blocks_fits(n: int, k: int) -> bool:
 
 
 def top_blocks_triton(
-    scores: torch.Tensor, k: int, active: torch.Tensor, *, sort: bool = True
+    scores: torch.Tensor,
+    k: int,
+    active: torch.Tensor,
+    *,
+    sort: bool = True,
+    compose: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
     (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
     chunk's missing entries last); inactive rows get ``-1`` / ``-inf``. One launch for rows of
-    up to ``TOPK_ONE_PASS`` scores, two or more above."""
+    up to ``TOPK_ONE_PASS`` scores, two or more above. ``compose`` (``_compose_row``'s
+    arguments by name, ``ANY`` and ``HAS_ANY``; ``sort`` on): the last pass also composes each
+    active row (``cis_compose``'s ``retrieving_only``) in the program that ranked it."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -736,10 +1089,13 @@ def top_blocks_triton(
         out_val = val if last else torch.empty(rows, chunks * k, dtype=torch.float32, device=dev)
         scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
         block = _pow2(chunk, 16)
-        topk[(rows, chunks)](
+        kernel, extra = topk, {}
+        if last and compose is not None:
+            kernel, extra = _topk_compose_jit(interpreting()), compose
+        kernel[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
-            RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block),
+            RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block), **extra,
             num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
@@ -755,6 +1111,12 @@ def _kernels(interpret: bool) -> tuple[object, object, object, object]:
         triton.jit(_compose_kernel),
         triton.jit(_topk_kernel),
     )
+
+
+@functools.cache
+def _topk_compose_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key, as in _kernels
+    return triton.jit(_topk_compose_kernel)
 
 
 def _topk_warps(block: int, sort: bool) -> int:
@@ -886,6 +1248,67 @@ def retrieval_block_scores_triton(
     return scores
 
 
+def _compose_row_args(
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    anchor_union: torch.Tensor | None,
+    anchor_union_cnt: torch.Tensor | None,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    windows: tuple[int, int],
+    hold_local: bool,
+    new_m: int,
+    retrieving_only: bool,
+) -> tuple[dict, int]:
+    """``_compose_row``'s arguments by name (all but the row, its decision and its new list),
+    for the compose kernel and the fused top-k; and the candidates' block width."""
+    b, hq, d = query.shape
+    h = anchor_len.shape[1]
+    g = hq // h
+    mm = anchor_idx.shape[-1]
+    ws, wl = windows
+    block_w = _pow2(ws + mm + 2 * r * m + wl, 16)
+    if out_indices.stride(-1) != 1 or not out_counts.is_contiguous():
+        raise ValueError("the selection's buffers must be contiguous")
+    union = anchor_union is not None and anchor_union_cnt is not None
+    u_idx = anchor_union if union else anchor_idx  # not read without UNION
+    u_cnt = anchor_union_cnt if union else anchor_cnt
+    args = dict(
+        Q=query, AQ=anchor_q, ALEN=anchor_len, AIDX=anchor_idx, ACNT=anchor_cnt,
+        ALOGD=anchor_log_delta, AUNION=u_idx, AUCNT=u_cnt, SLOTS=slots, LENS=seq_lens,
+        SEL_IDX=out_indices, SEL_CNT=out_counts,
+        SEL_SCRATCH=torch.empty(b * h, block_w, dtype=torch.int32, device=query.device),
+        stride_qb=query.stride(0), stride_qh=query.stride(1),
+        stride_aq_n=anchor_q.stride(0), stride_aq_h=anchor_q.stride(1),
+        stride_aq_g=anchor_q.stride(2),
+        stride_alen_n=anchor_len.stride(0), stride_alen_h=anchor_len.stride(1),
+        stride_aidx_n=anchor_idx.stride(0), stride_aidx_h=anchor_idx.stride(1),
+        stride_acnt_n=anchor_cnt.stride(0), stride_acnt_h=anchor_cnt.stride(1),
+        stride_alogd_n=anchor_log_delta.stride(0), stride_alogd_h=anchor_log_delta.stride(1),
+        stride_un_n=u_idx.stride(0), stride_un_h=u_idx.stride(1),
+        stride_uc_n=u_cnt.stride(0), stride_uc_h=u_cnt.stride(1),
+        stride_si_b=out_indices.stride(0), stride_si_h=out_indices.stride(1),
+        n_sink=n_sink, n_local=n_local,
+        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
+        NEW_M=new_m, DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=out_indices.shape[-1],
+        BLOCK_W=block_w, BLOCK_U=_pow2(mm + 2 * r * m, 16), BS=block_size, HOLD=hold_local,
+        UNION=union, ONLY_RETRIEVING=retrieving_only,
+    )  # fmt: skip
+    return args, block_w
+
+
 def cis_compose_triton(
     query: torch.Tensor,
     retrieve: torch.Tensor,
@@ -914,42 +1337,61 @@ def cis_compose_triton(
     anchor_union_cnt: torch.Tensor | None = None,
     retrieving_only: bool = False,
 ) -> None:
-    b, hq, d = query.shape
-    h = anchor_len.shape[1]
-    g = hq // h
-    mm = anchor_idx.shape[-1]
-    ws, wl = windows
-    width = out_indices.shape[-1]
-    block_w = _pow2(ws + mm + 2 * r * m + wl, 16)
-    scratch = torch.empty(b * h, block_w, dtype=torch.int32, device=query.device)
+    b, h = retrieve.shape
     new_idx = new_idx.contiguous()
     new_scores = new_scores.contiguous()
-    if out_indices.stride(-1) != 1 or not out_counts.is_contiguous():
-        raise ValueError("the selection's buffers must be contiguous")
-    union = anchor_union is not None and anchor_union_cnt is not None
-    u_idx = anchor_union if union else anchor_idx  # not read without UNION
-    u_cnt = anchor_union_cnt if union else anchor_cnt
+    args, block_w = _compose_row_args(
+        query, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta, anchor_union,
+        anchor_union_cnt, slots, seq_lens, n_sink=n_sink, n_local=n_local,
+        block_size=block_size, m=m, r=r, out_indices=out_indices, out_counts=out_counts,
+        windows=windows, hold_local=hold_local, new_m=new_idx.shape[-1],
+        retrieving_only=retrieving_only,
+    )  # fmt: skip
     _, _, compose, _ = _kernels(interpreting())
     compose[(b * h,)](
-        query, retrieve.contiguous().view(torch.int8), bad.contiguous().view(torch.int8),
-        new_idx, new_scores, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta,
-        u_idx, u_cnt, slots, seq_lens, out_indices, out_counts, scratch,
-        any_retrieve.view(torch.int8) if any_retrieve is not None else scratch,
-        query.stride(0), query.stride(1),
-        anchor_q.stride(0), anchor_q.stride(1), anchor_q.stride(2),
-        anchor_len.stride(0), anchor_len.stride(1),
-        anchor_idx.stride(0), anchor_idx.stride(1),
-        anchor_cnt.stride(0), anchor_cnt.stride(1),
-        anchor_log_delta.stride(0), anchor_log_delta.stride(1),
-        u_idx.stride(0), u_idx.stride(1), u_cnt.stride(0), u_cnt.stride(1),
-        out_indices.stride(0), out_indices.stride(1),
-        n_sink, n_local,
-        HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), M=mm, BLOCK_M=_pow2(mm, 2),
-        NEW_M=new_idx.shape[-1], DIL_M=m, R=r, R2=max(1, 2 * r), WS=ws, WL=wl, WIDTH=width,
-        BLOCK_W=block_w, BLOCK_U=_pow2(mm + 2 * r * m, 16), BS=block_size, HOLD=hold_local,
-        HAS_ANY=any_retrieve is not None, UNION=union, ONLY_RETRIEVING=retrieving_only,
-        num_warps=_compose_warps(block_w),
+        RETRIEVE=retrieve.contiguous().view(torch.int8), BAD=bad.contiguous().view(torch.int8),
+        NEW_IDX=new_idx, NEW_SCORES=new_scores,
+        ANY=any_retrieve.view(torch.int8) if any_retrieve is not None else args["SEL_SCRATCH"],
+        HAS_ANY=any_retrieve is not None, **args, num_warps=_compose_warps(block_w),
     )  # fmt: skip
+
+
+def top_blocks_compose_triton(
+    scores: torch.Tensor,
+    k: int,
+    retrieve: torch.Tensor,
+    query: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    anchor_union: torch.Tensor,
+    anchor_union_cnt: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    windows: tuple[int, int],
+    hold_local: bool,
+    any_retrieve: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_blocks_triton` whose last pass also composes each retrieving row."""
+    args, _ = _compose_row_args(
+        query, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta, anchor_union,
+        anchor_union_cnt, slots, seq_lens, n_sink=n_sink, n_local=n_local,
+        block_size=block_size, m=m, r=r, out_indices=out_indices, out_counts=out_counts,
+        windows=windows, hold_local=hold_local, new_m=k, retrieving_only=True,
+    )  # fmt: skip
+    flag = any_retrieve.view(torch.int8) if any_retrieve is not None else args["SEL_SCRATCH"]
+    args.update(ANY=flag, HAS_ANY=any_retrieve is not None)
+    return top_blocks_triton(scores, k, retrieve, compose=args)
 
 
 # --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
