@@ -736,6 +736,10 @@ class CIS(BaseSelector):
                 path=path,
             )
         m_width = self.anchor_width()
+        compose_kw = dict(
+            n_sink=c.n_sink, n_local=c.n_local, block_size=c.block_size, m=self.union_m(),
+            r=c.r, hold_local=c.hold_local, any_retrieve=state.retrieving, **union, path=path,
+        )  # fmt: skip
         # Only the retrieving rows' entries of new_idx / new_scores are read (by cis_compose),
         # so a replay that skips these kernels when no row retrieves changes nothing.
         with run_if(state.retrieving):
@@ -759,10 +763,7 @@ class CIS(BaseSelector):
                 top_blocks_compose(
                     scores, m_width, query, retrieve, bad,
                     *(anchor[n] for n in _ANCHOR_FIELDS), slots, kv.seq_lens,
-                    n_sink=c.n_sink, n_local=c.n_local, block_size=c.block_size,
-                    m=self.union_m(), r=c.r, out_indices=sel.indices, out_counts=sel.counts,
-                    hold_local=c.hold_local, any_retrieve=state.retrieving, **union,
-                    path=path,
+                    out_indices=sel.indices, out_counts=sel.counts, **compose_kw,
                 )  # fmt: skip
             else:
                 new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
@@ -783,17 +784,9 @@ class CIS(BaseSelector):
                 *(anchor[n] for n in _ANCHOR_FIELDS),
                 slots,
                 kv.seq_lens,
-                n_sink=c.n_sink,
-                n_local=c.n_local,
-                block_size=c.block_size,
-                m=self.union_m(),
-                r=c.r,
                 out_indices=out_idx,
                 out_counts=out_cnt,
-                hold_local=c.hold_local,
-                any_retrieve=state.retrieving,
-                **union,
-                path=path,
+                **compose_kw,
             )
         if random:
             n_blocks = self.num_blocks(kv)

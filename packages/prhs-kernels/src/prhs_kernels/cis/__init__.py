@@ -363,17 +363,13 @@ def cis_compose(
         raise ValueError("new_idx and new_scores must both be [B, Hkv, M']")
     if new_idx.shape[-1] > mm:
         raise ValueError(f"new_idx holds {new_idx.shape[-1]} entries; the anchor list {mm}")
+    who = "retrieving_only composes after cis_decide_compose" if retrieving_only else None
     ws, wl = _check_selection_args(
         query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
-        out_indices, out_counts, anchor_union, anchor_union_cnt,
+        out_indices, out_counts, anchor_union, anchor_union_cnt, needs_union=who,
     )  # fmt: skip
     if any_retrieve is not None:
         check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
-    if retrieving_only and anchor_union is None:
-        raise ValueError(
-            "retrieving_only composes after cis_decide_compose, which needs the anchors' union "
-            "(anchor_union, anchor_union_cnt): give them here too"
-        )
     announce("cis_compose", path, query.device)
     union = dict(anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt)
     args = (query, retrieve, bad, new_idx, new_scores, anchor_q, anchor_len, anchor_idx)
@@ -439,12 +435,10 @@ def top_blocks_compose(
         raise ValueError(
             f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
         )
-    if anchor_union is None or anchor_union_cnt is None:
-        raise ValueError("top_blocks_compose composes the retrieving rows only: it needs the "
-                         "anchors' union (anchor_union, anchor_union_cnt)")  # fmt: skip
     ws, wl = _check_selection_args(
         query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
         out_indices, out_counts, anchor_union, anchor_union_cnt,
+        needs_union="top_blocks_compose composes the retrieving rows only",
     )  # fmt: skip
     if any_retrieve is not None:
         check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
@@ -484,9 +478,11 @@ def _check_selection_args(
     out_counts: torch.Tensor,
     anchor_union: torch.Tensor | None,
     anchor_union_cnt: torch.Tensor | None,
+    needs_union: str | None = None,
 ) -> tuple[int, int]:
     """Check the arguments that shape a CIS selection (its buffers, the dilation, the union
-    fields); ``(ws, wl)``: the sink and local windows' widths in blocks."""
+    fields, required when ``needs_union`` says who needs them); ``(ws, wl)``: the sink and
+    local windows' widths in blocks."""
     b, h = query.shape[0], anchor_len.shape[1]
     mm = anchor_idx.shape[-1]
     for name, v, least in (("n_sink", n_sink, 0), ("n_local", n_local, 0),
@@ -499,6 +495,10 @@ def _check_selection_args(
     width = ws + mm + 2 * r * m + wl
     check_shape("out_indices", out_indices, (b, h, width), "[B, Hkv, ws + M + 2rm + wl]")
     check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
+    if needs_union is not None and (anchor_union is None or anchor_union_cnt is None):
+        raise ValueError(
+            f"{needs_union}: it needs the anchors' union (anchor_union, anchor_union_cnt)"
+        )
     if (anchor_union is None) != (anchor_union_cnt is None):
         raise ValueError("anchor_union and anchor_union_cnt go together: give both or neither")
     if anchor_union is not None and anchor_union_cnt is not None:
@@ -556,11 +556,8 @@ def cis_decide_compose(
     ws, wl = _check_selection_args(
         query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
         out_indices, out_counts, anchor_union, anchor_union_cnt,
+        needs_union="cis_decide_compose copies each reuse's anchor union",
     )  # fmt: skip
-    if path.startswith("triton") and (
-        out_indices.stride(-1) != 1 or not out_counts.is_contiguous()
-    ):
-        raise ValueError("the selection's buffers must be contiguous")
     _check_decide_args(query, anchor_q, anchor_len, slots, seq_lens, tau, n_local, nonfinite,
                        any_retrieve)  # fmt: skip
     if path.startswith("triton"):

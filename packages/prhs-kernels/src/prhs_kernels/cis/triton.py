@@ -1179,6 +1179,8 @@ def cis_decide_triton(
     else:
         union, u_cnt = early["anchor_union"], early["anchor_union_cnt"]
         out_idx, out_cnt = early["out_indices"], early["out_counts"]
+        if out_idx.stride(-1) != 1 or not out_cnt.is_contiguous():
+            raise ValueError("the selection's buffers must be contiguous")
         n_sink = early["n_sink"]
         u_w = union.shape[-1]
         _, wl = early["windows"]
