@@ -8,6 +8,7 @@
 #   nsN   the sparse kernel's software-pipelining depth (TUNING["num_stages"])
 #   bnN   the sparse kernel's positions per tile (TUNING["block_n"])
 #   nwN   the sparse kernel's warps per program (TUNING["num_warps"])
+#   pdl   the decode path's kernels launch with programmatic dependent launch (prhs_kernels.pdl.PDL)
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -46,6 +47,8 @@ s.TUNING['num_stages'] = ${knob#ns}" ;;
 s.TUNING['block_n'] = ${knob#bn}" ;;
                 nw*) knobs="$knobs
 s.TUNING['num_warps'] = ${knob#nw}" ;;
+                pdl) knobs="$knobs
+import prhs_kernels.pdl as P; P.PDL['enabled'] = True" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs

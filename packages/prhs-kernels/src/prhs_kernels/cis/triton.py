@@ -32,6 +32,7 @@ import triton.language as tl
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 
@@ -166,7 +167,9 @@ def _decide_kernel(
     U_W: tl.constexpr,
     BLOCK_U: tl.constexpr,
     HOLD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -246,12 +249,14 @@ def _block_scores_kernel(
     BLOCK_R: tl.constexpr,
     MASS: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A persistent grid over two kinds of work item: (active row, tile of TILE_BLOCKS blocks),
     # scored, then (with FILL) (inactive row, FILL_BLOCKS blocks), filled with -inf. Each
     # program ranks the rows itself (prefix sums of the flags), so the scoring of a few
     # retrieving rows is spread over every program instead of queueing behind their
     # neighbours' programs.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     offs_r = tl.arange(0, BLOCK_R)
     flags = tl.load(ACTIVE + offs_r, mask=offs_r < n_rows, other=0) != 0
     idle = (~flags) & (offs_r < n_rows)
@@ -584,7 +589,9 @@ def _compose_kernel(
     UNION: tl.constexpr,
     ONLY_RETRIEVING: tl.constexpr,
     HAS_ANY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
         tl.store(ANY, tl.full((), 0, tl.int8), mask=pid == 0)
@@ -804,7 +811,9 @@ def _topk_kernel(
     RADIX_BITS: tl.constexpr,
     RADIX: tl.constexpr,
     SEG: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     _topk_program(
         tl.program_id(0),
         tl.program_id(1),
@@ -904,10 +913,12 @@ def _topk_compose_kernel(
     UNION: tl.constexpr,
     ONLY_RETRIEVING: tl.constexpr,
     HAS_ANY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The last pass of the top-k (one program a row) and then, in the same program, the
     # composition of its row if it retrieves (cis_compose's retrieving_only): the winners are
     # read back from OUT_IDX / OUT_VAL, where this program has just stored them.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
         tl.store(ANY, tl.full((), 0, tl.int8), mask=row == 0)
@@ -1096,7 +1107,7 @@ def top_blocks_triton(
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
             RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block), **extra,
-            num_warps=_topk_warps(block, last),
+            **pdl_args(dev), num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
     return idx, val
@@ -1204,7 +1215,7 @@ def cis_decide_triton(
         0.0 if tensor else float(tau), n_local, n_sink,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
         TAU_MODE=mode, HAS_ANY=any_retrieve is not None, EARLY=early is not None, **consts,
-        num_warps=4,
+        **pdl_args(query.device), num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
@@ -1245,7 +1256,8 @@ def retrieval_block_scores_triton(
         t, b * h, nb, nb_pad, n_spans, n_sink, n_local,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         TILE_BLOCKS=_pow2(tile_blocks, 1), FILL_BLOCKS=fill_blocks,
-        BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", FILL=fill_idle, num_warps=4,
+        BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", FILL=fill_idle,
+        **pdl_args(query.device), num_warps=4,
     )  # fmt: skip
     return scores
 
@@ -1354,7 +1366,8 @@ def cis_compose_triton(
         RETRIEVE=retrieve.contiguous().view(torch.int8), BAD=bad.contiguous().view(torch.int8),
         NEW_IDX=new_idx, NEW_SCORES=new_scores,
         ANY=any_retrieve.view(torch.int8) if any_retrieve is not None else args["SEL_SCRATCH"],
-        HAS_ANY=any_retrieve is not None, **args, num_warps=_compose_warps(block_w),
+        HAS_ANY=any_retrieve is not None, **args, **pdl_args(query.device),
+        num_warps=_compose_warps(block_w),
     )  # fmt: skip
 
 
@@ -1417,10 +1430,12 @@ def _rescore_logits_kernel(
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
     PAGED: tl.constexpr, HAS_START: tl.constexpr, HOLD: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split): the logits of the split's pool entries (split 0: and of the sink's
     # and the local window's keys) into the row's scratch, and each head's running max and sum
     # over them into the row's partials. Rows that do not reuse do nothing.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // HKV
@@ -1518,10 +1533,12 @@ def _rescore_scores_kernel(
     n_pool, m_list, chunk, n_split,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, G_POW: tl.constexpr,
     BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, MASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split): each head's log-sum-exp from the row's partials, then the score of
     # each of the split's pool blocks from its heads' probabilities, averaged over the group;
     # -inf for empty entries and for rows that do not reuse.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // HKV
@@ -1579,11 +1596,12 @@ def _rescore_write_kernel(
     stride_ai_n, stride_ai_h, stride_ac_n, stride_ac_h, stride_an_n, stride_an_h,
     n_pool, m_list, r_next,
     HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-    SEG: tl.constexpr,
+    SEG: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per reusing row: the chosen pool entries (best first) become the list, the
     # others, in pool order, the next blocks. Everything is read (the new list into registers,
     # the next blocks into the row's TMP) before the row's anchor fields are written.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -1712,12 +1730,13 @@ def rescore_scores_triton(
         n_split,
         HKV=h, G=g, BLOCK_G=block_g, D=d, BLOCK_D=_pow2(d, 16), BS=s, BLOCK_E=block_e,
         BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
-        UPCAST=interpreting(), num_warps=4,
+        UPCAST=interpreting(), **pdl_args(query.device), num_warps=4,
     )  # fmt: skip
     scores[(b * h, n_split)](
         *fields, slots, flags, scr, part, out, *strides, n_pool, m_list, chunk, n_split,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 1), BS=s, BLOCK_E=block_e,
-        BLOCK_S=_pow2(n_split, 1), MASS=score == "mass", num_warps=4,
+        BLOCK_S=_pow2(n_split, 1), MASS=score == "mass", **pdl_args(query.device),
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -1750,7 +1769,7 @@ def rescore_write_triton(
         chosen.to(torch.int32).contiguous(), values.contiguous(), flag, tmp, *strides, n_pool,
         m_list, r_next,
         HKV=h, BLOCK_M=_pow2(m_list, 16), BLOCK_P=block_p, BLOCK_R=min(_pow2(r_next, 16), 1024),
-        SEG=_scan_segment(block_p), num_warps=4 if block_p <= 1024 else 8,
+        SEG=_scan_segment(block_p), **pdl_args(dev), num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
 
 
@@ -1758,9 +1777,11 @@ def _pool_rest_kernel(
     CAND, CVAL, PICK, PVAL, ACTIVE, SLOTS, FLAG, LIST, ANEXT,
     stride_an_n, stride_an_h, n_cand, m_list, r_next,
     HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, SEG: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per active row: the picked candidates (best first) become the list, and the
     # other finite candidates, in candidate (position) order, the row's next blocks (then -1).
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -1836,6 +1857,6 @@ def retrieval_pool_triton(
         cand, cval, pick, pval, retrieve.contiguous().view(torch.int8), slots, flag, out,
         anchor_next, *anchor_next.stride()[:2], k_all, mm, r,
         HKV=h, BLOCK_M=_pow2(mm, 16), BLOCK_P=block_p, SEG=_scan_segment(block_p),
-        num_warps=4 if block_p <= 1024 else 8,
+        **pdl_args(scores.device), num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
     return out, pval

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from prhs_kernels.gemm import MAX_ROWS  # the rows the kernel takes: one padded MMA tile
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _arrivals, _multiprocessors
 
 __all__ = [
@@ -187,7 +188,9 @@ def _decode_linear_kernel(
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
     ADVANCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if ROPE:
@@ -421,7 +424,7 @@ def decode_linear_triton(
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
         RMS_IN=rms_in, RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None,
         UPCAST=interpreting(), SPLIT_K=splits, ROPE=False, HALF=1, ADVANCE=False,
-        num_warps=warps, num_stages=stages,
+        **pdl_args(x.device), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
 
@@ -490,6 +493,7 @@ def _launch_rope(
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=1,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SWIGLU=False, ROW_SCALE=False,
         RMS_IN=rms_in, RESIDUAL=False, NORM_OUT=False, UPCAST=interpreting(), SPLIT_K=1,
-        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, num_warps=warps, num_stages=stages,
+        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, **pdl_args(x.device),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["row_bounds_triton"]
 
@@ -19,7 +20,10 @@ BLOCK = 1024
 """Columns a program reads a tile."""
 
 
-def _row_bounds_kernel(M, START, LENS, T, stride_b, stride_t, BLOCK: tl.constexpr):
+def _row_bounds_kernel(
+    M, START, LENS, T, stride_b, stride_t, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     big = 2147483647
@@ -51,6 +55,14 @@ def row_bounds_triton(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return start, lens
     raw = valid.view(torch.uint8)  # same strides: a view, not a copy
     _kernel(interpreting())[(b,)](
-        raw, start, lens, t, raw.stride(0), raw.stride(1), BLOCK=BLOCK, num_warps=4
+        raw,
+        start,
+        lens,
+        t,
+        raw.stride(0),
+        raw.stride(1),
+        BLOCK=BLOCK,
+        **pdl_args(valid.device),
+        num_warps=4,
     )
     return start, lens

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 
 __all__ = ["TUNING", "retrieval_logits_triton", "retrieval_probs_triton"]
@@ -76,10 +77,12 @@ def _logits_kernel(
     UPCAST: tl.constexpr,
     Q_LABELS: tl.constexpr,
     K_LABELS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
     # rows itself (a prefix sum of the flags), so no program is spent on a row that does not
     # retrieve and no launch is spent listing them.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     if HAS_ACTIVE:
         offs_r = tl.arange(0, BLOCK_R)
         flags = tl.load(ACTIVE + offs_r, mask=offs_r < n_rows, other=0) != 0
@@ -174,7 +177,9 @@ def _probs_kernel(
     BLOCK_T: tl.constexpr,
     SPAN: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     span = tl.program_id(1)
     b = pid // HKV
@@ -278,7 +283,7 @@ def retrieval_logits_triton(
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
-        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        **pdl_args(dev), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
 
@@ -311,7 +316,7 @@ def retrieval_probs_triton(
         flags, logits, sm, sl, out, out.stride(0), out.stride(1), t_max, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, G_POW=max(2, triton.next_power_of_2(g)),
         BLOCK_S=max(2, triton.next_power_of_2(n_spans)), BLOCK_T=min(256, span),
-        SPAN=span, HAS_ACTIVE=active is not None, num_warps=4,
+        SPAN=span, HAS_ACTIVE=active is not None, **pdl_args(query.device), num_warps=4,
     )  # fmt: skip
     if given is not None and given is not out:
         given.copy_(out)

@@ -41,6 +41,7 @@ import triton.language as tl
 from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.selection import Selection
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["num_splits", "sparse_decode_attention_triton"]
 
@@ -167,7 +168,9 @@ def _split_kernel(
     MERGE_WHOLE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     KV_EVICT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -335,7 +338,9 @@ def _merge_kernel(
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     _merge_head(PO, PM, PL, OUT, LSE, pid.to(tl.int64), pid // HQ, pid % HQ, n_splits,
                 stride_ob, stride_oh, stride_lb, stride_lh, DV, BLOCK_DV, BLOCK_S)  # fmt: skip
@@ -474,14 +479,14 @@ def sparse_decode_attention_triton(
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
         MERGE_WHOLE=merge_last and TUNING["merge_whole"], BLOCK_S=_pow2(n_split, 2),
         KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
-        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        **pdl_args(dev), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     if not direct and not merge_last:
         merge_kernel[(b * hq,)](
             part_o, part_m, part_l, out, lse,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
             HQ=hq, DV=dv, BLOCK_DV=block_dv, BLOCK_S=_pow2(n_split, 2),
-            num_warps=4,
+            **pdl_args(dev), num_warps=4,
         )  # fmt: skip
     if given_out is not None and given_out is not out:
         given_out.copy_(out)

@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (PDL) of the decode step's Triton kernels, on Hopper and later.
+
+In a decode step each kernel waits for the one before it, and at a few rows most kernels last
+a few microseconds: the gap between two of them (the next grid's launch, its programs placed on
+the multiprocessors) is a visible part of the step. With PDL a kernel is launched with the
+``programmatic stream serialization`` attribute (Triton's ``launch_pdl``): the GPU may start
+its programs before the kernel ahead of it has finished, once every program of that kernel has
+signalled. Each kernel of the decode path therefore begins with :func:`pdl_wait`: it first
+waits for the whole of the kernel ahead (``griddepcontrol.wait``: that kernel finished, its
+writes visible), then signals that the kernel after it may be placed
+(``griddepcontrol.launch_dependents``). Nothing is read or written before the wait, so the
+semantics are unchanged; what overlaps is the next launch with this kernel's run. CUDA graphs
+keep the dependency (stream capture records it as a programmatic edge).
+
+The kernels that take part: the decode GEMM, the CIS decision, logits, block scores, top-k,
+composition and re-scoring, the scoring kernels, sparse decode attention (split and merge) and
+the row bounds. Off by default (:data:`PDL`, or ``PRHS_PDL=1``); :func:`pdl_args` gives a
+launch's arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from prhs_kernels.paths import interpreting
+
+__all__ = ["PDL", "pdl_args", "pdl_supported", "pdl_wait"]
+
+PDL = {"enabled": os.environ.get("PRHS_PDL", "0").strip().lower() in ("1", "true", "on", "yes")}
+"""Whether the decode path's kernels launch with PDL where the GPU and Triton support it
+(initially from ``PRHS_PDL=1`` in the environment). Set before a step is captured in a CUDA
+graph: a graph keeps the launches it recorded."""
+
+try:  # Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL is never used
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def pdl_wait(PDL: tl.constexpr):
+    """A kernel's first statement: with ``PDL``, wait for the kernel ahead to finish, then let
+    the kernel after this one be placed; without, nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def _triton_launches_pdl() -> bool:
+    if gdc_wait is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` can launch with PDL: a CUDA GPU of compute capability 9.0
+    or more, compiled (not interpreted) Triton kernels, and a Triton that launches with it."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return False
+    return _triton_launches_pdl() and _hopper_or_later(device)
+
+
+def pdl_args(device: torch.device | str) -> dict[str, bool]:
+    """A decode-path launch's keyword arguments: the kernel's ``PDL`` flag and, when it is on,
+    Triton's ``launch_pdl`` (on where :data:`PDL` asks for it and :func:`pdl_supported`)."""
+    if PDL["enabled"] and pdl_supported(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

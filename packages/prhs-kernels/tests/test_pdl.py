@@ -1,0 +1,153 @@
+"""Programmatic dependent launch (prhs_kernels.pdl): where it is used, and that every decode-path
+kernel launched with it compiles for a Hopper GPU with the wait before its first read (no GPU:
+the launches are caught on the CPU and compiled for sm_90)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels import pdl
+
+triton = pytest.importorskip("triton")
+
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float64: "*fp64",
+        torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}  # fmt: skip
+
+
+def test_pdl_is_off_unless_asked_and_possible(monkeypatch):
+    monkeypatch.setitem(pdl.PDL, "enabled", False)
+    assert pdl.pdl_args("cpu") == {"PDL": False}
+    monkeypatch.setitem(pdl.PDL, "enabled", True)
+    assert not pdl.pdl_supported("cpu")
+    assert pdl.pdl_args("cpu") == {"PDL": False}  # asked for, but not a GPU
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.pdl_supported("cuda")  # the interpreter: nothing to launch with it
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
+    assert pdl.pdl_args("cuda") == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setitem(pdl.PDL, "enabled", False)
+    assert pdl.pdl_args("cuda") == {"PDL": False}
+
+
+def test_pdl_needs_a_hopper_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "_triton_launches_pdl", lambda: True)
+    for major, want in [(8, False), (9, True), (10, True)]:
+        monkeypatch.setattr(pdl, "_hopper_or_later", lambda device, m=major: m >= 9)
+        assert pdl.pdl_supported("cuda:0") is want
+
+
+def _catch_launches(monkeypatch):
+    """Every Triton launch from now on recorded as ``(kernel, args, kwargs)`` instead of run."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    return launches
+
+
+def _compile_for_hopper(fn, args, kw):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    given = {**dict(zip(fn.arg_names, args, strict=False)), **kw}
+    options = {"num_warps": given.pop("num_warps")}
+    given.pop("num_stages", None)
+    if given.pop("launch_pdl", False):
+        options["launch_pdl"] = True
+    const = {p.name: given[p.name] for p in fn.params if p.is_constexpr}
+
+    def ty(v):
+        if isinstance(v, torch.Tensor):
+            return _PTR[v.dtype]
+        return "fp32" if isinstance(v, float) else "i32"
+
+    sig = {p.name: "constexpr" if p.is_constexpr else ty(given[p.name]) for p in fn.params}
+    return triton.compile(
+        ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options
+    ).asm["ptx"]
+
+
+def _decode_launches():
+    """One call of each decode-path launcher, on CPU tensors (caught, never run)."""
+    from prhs_core.layout import ContiguousKV
+    from prhs_core.selection import Selection
+    from prhs_kernels.cis import cis_decide_compose, retrieval_block_scores, top_blocks_compose
+    from prhs_kernels.cis import cis_local_width
+    from prhs_kernels.compose import window_widths
+    from prhs_kernels.gemm.triton import decode_linear_triton
+    from prhs_kernels.kv.triton import row_bounds_triton
+    from prhs_kernels.sparse_decode.triton import sparse_decode_attention_triton
+
+    b, h, g, d, t, s, mm, m, r, n = 2, 2, 4, 64, 512, 8, 16, 4, 1, 3
+    q = torch.zeros(b, h * g, d, dtype=torch.bfloat16)
+    k = torch.zeros(b, h, t, d, dtype=torch.bfloat16)
+    kv = ContiguousKV(k=k, v=torch.zeros_like(k), seq_lens=torch.full((b,), t, dtype=torch.int32))
+    sel = Selection(indices=torch.zeros(b, h, 24, dtype=torch.int32),
+                    counts=torch.zeros(b, h, dtype=torch.int32), block_size=s)  # fmt: skip
+    sparse_decode_attention_triton(q, kv, sel, 0.1)  # split (and merge)
+    decode_linear_triton(torch.zeros(2, 256, dtype=torch.bfloat16),
+                         torch.zeros(128, 256, dtype=torch.bfloat16), None)  # fmt: skip
+    row_bounds_triton(torch.ones(b, t, dtype=torch.bool))
+    state = (torch.zeros(n, h, g, d), torch.zeros(n, h, dtype=torch.int32),
+             torch.zeros(n, h, mm, dtype=torch.int32), torch.zeros(n, h, dtype=torch.int32),
+             torch.zeros(n, h, dtype=torch.float64))  # fmt: skip
+    union = dict(anchor_union=torch.zeros(n, h, mm + 2 * r * m, dtype=torch.int32),
+                 anchor_union_cnt=torch.zeros(n, h, dtype=torch.int32))  # fmt: skip
+    width = window_widths(4, 32, s)[0] + mm + 2 * r * m + cis_local_width(32, s, True)
+    out = dict(out_indices=torch.zeros(b, h, width, dtype=torch.int32),
+               out_counts=torch.zeros(b, h, dtype=torch.int32))  # fmt: skip
+    slots, lens = torch.arange(b), torch.full((b,), t, dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.bool)
+    retrieve, bad = cis_decide_compose(
+        q, *state[:4], union["anchor_union"], union["anchor_union_cnt"], slots, lens, tau=-1.0,
+        n_local=32, n_sink=4, block_size=s, m=m, r=r, hold_local=True, any_retrieve=flag,
+        nonfinite=torch.zeros(1, dtype=torch.int64), path="triton", **out,
+    )  # fmt: skip
+    scores = retrieval_block_scores(q, kv, 0.1, retrieve, block_size=s, n_sink=4, n_local=32,
+                                    fill_idle=False, path="triton")  # fmt: skip
+    top_blocks_compose(
+        torch.zeros(b, h, t // s), mm, q, retrieve, bad, *state, slots, lens, n_sink=4,
+        n_local=32, block_size=s, m=m, r=r, hold_local=True, any_retrieve=flag, path="triton",
+        **union, **out,
+    )  # fmt: skip
+    del scores
+
+
+def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(pdl.PDL, "enabled", True)
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
+    launches = _catch_launches(monkeypatch)
+    _decode_launches()
+    names = {fn.fn.__name__ for fn, _, _ in launches}
+    want = {"_split_kernel", "_decode_linear_kernel", "_row_bounds_kernel", "_decide_kernel",
+            "_logits_kernel", "_block_scores_kernel", "_topk_compose_kernel"}  # fmt: skip
+    assert want <= names, want - names
+    seen = set()
+    for fn, args, kw in launches:
+        assert kw.get("PDL") is True and kw.get("launch_pdl") is True, fn.fn.__name__
+        if fn.fn.__name__ in seen:
+            continue
+        seen.add(fn.fn.__name__)
+        ptx = _compile_for_hopper(fn, args, kw)
+        # The wait comes first: nothing is loaded before it.
+        wait = ptx.index("griddepcontrol.wait")
+        assert "griddepcontrol.launch_dependents" in ptx[wait:], fn.fn.__name__
+        assert "ld.global" not in ptx[:wait], fn.fn.__name__
+
+
+def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(pdl.PDL, "enabled", False)
+    launches = _catch_launches(monkeypatch)
+    _decode_launches()
+    for fn, args, kw in launches:
+        assert kw.get("PDL") is False and "launch_pdl" not in kw
+    fn, args, kw = next(x for x in launches if x[0].fn.__name__ == "_split_kernel")
+    assert "griddepcontrol" not in _compile_for_hopper(fn, args, kw)
