@@ -7,6 +7,7 @@
 set -e
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src:$PWD/packages/prhs-eval/src
 start=$SECONDS
+python -c "import torch, triton; from prhs_kernels.pdl import pdl_supported as s; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'pdl supported:', s('cuda'))"
 mkdir -p $OUT/raw
 for pdl in 1 0; do
     PRHS_PDL=$pdl python benchmarks/scripts/decide_compose_check.py > $OUT/raw/check-pdl$pdl.txt 2>&1 || true
