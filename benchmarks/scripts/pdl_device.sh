@@ -3,13 +3,13 @@
 # PDL (checked against the torch ops, then a reuse step's launches timed back to back), the sparse
 # kernel checked and timed alone (shipped / PDL / last slice merging whole), then Table V points
 # A/B'd within what is left of ~9 minutes (tuning_ab_device.sh variants).
-# Usage: [POINTS=...] [VARIANTS=...] [BUDGET_S=540] bash benchmarks/scripts/pdl_device.sh
+# Usage: [POINTS=...] [VARIANTS=...] [BUDGET_S=540] [CHECK_PDL="1 0"] bash benchmarks/scripts/pdl_device.sh
 set -e
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src:$PWD/packages/prhs-eval/src
 start=$SECONDS
 python -c "import torch, triton; from prhs_kernels.pdl import pdl_supported as s; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'pdl supported:', s('cuda'))"
 mkdir -p $OUT/raw
-for pdl in 1 0; do
+for pdl in ${CHECK_PDL:-1 0}; do
     PRHS_PDL=$pdl python benchmarks/scripts/decide_compose_check.py > $OUT/raw/check-pdl$pdl.txt 2>&1 || true
     echo "== decide_compose_check PRHS_PDL=$pdl"; tail -14 $OUT/raw/check-pdl$pdl.txt
 done
