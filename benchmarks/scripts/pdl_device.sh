@@ -29,7 +29,7 @@ for f in sys.argv[1:]:
 PY
 left=$(( ${BUDGET_S:-540} - (SECONDS - start) ))
 echo "== Table V A/B, $left s left"
-POINTS=${POINTS:-"llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS"} VARIANTS=${VARIANTS:-"base pdl pdl+pf4 ml16+mw"} \
+POINTS=${POINTS:-"llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS"} VARIANTS=${VARIANTS:-"base pdl ml16+mw pdl+ml16+mw"} \
     timeout $left bash benchmarks/scripts/tuning_ab_device.sh > $OUT/raw/ab.log 2>&1 || tail -5 $OUT/raw/ab.log
 [ -f $OUT/all-rows.jsonl ] && mv $OUT/all-rows.jsonl $OUT/raw/
 python - "$OUT/raw/all-rows.jsonl" <<'PY' | tee $OUT/ab.txt

@@ -9,7 +9,6 @@
 #   bnN   the sparse kernel's positions per tile (TUNING["block_n"])
 #   nwN   the sparse kernel's warps per program (TUNING["num_warps"])
 #   pdl   the decode path's kernels launch with programmatic dependent launch (prhs_kernels.pdl.PDL)
-#   pfN   with pdl, the decode GEMM prefetches N tiles of its weight before its wait (gemm TUNING["pdl_prefetch_tiles"])
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -50,8 +49,6 @@ s.TUNING['block_n'] = ${knob#bn}" ;;
 s.TUNING['num_warps'] = ${knob#nw}" ;;
                 pdl) knobs="$knobs
 import prhs_kernels.pdl as P; P.PDL['enabled'] = True" ;;
-                pf*) knobs="$knobs
-import prhs_kernels.gemm.triton as gt; gt.TUNING['pdl_prefetch_tiles'] = ${knob#pf}" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs

@@ -11,9 +11,8 @@ from prhs_kernels import pdl
 
 triton = pytest.importorskip("triton")
 
-_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
-        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8",
-        torch.bool: "*i1"}  # fmt: skip
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float64: "*fp64",
+        torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}  # fmt: skip
 
 
 def test_pdl_is_off_unless_asked_and_possible(monkeypatch):
@@ -78,12 +77,8 @@ def _decode_launches():
     """One call of each decode-path launcher, on CPU tensors (caught, never run)."""
     from prhs_core.layout import ContiguousKV
     from prhs_core.selection import Selection
-    from prhs_kernels.cis import (
-        cis_decide_compose,
-        cis_local_width,
-        retrieval_block_scores,
-        top_blocks_compose,
-    )
+    from prhs_kernels.cis import cis_decide_compose, retrieval_block_scores, top_blocks_compose
+    from prhs_kernels.cis import cis_local_width
     from prhs_kernels.compose import window_widths
     from prhs_kernels.gemm.triton import decode_linear_triton
     from prhs_kernels.kv.triton import row_bounds_triton
@@ -152,37 +147,7 @@ def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch):
     monkeypatch.setitem(pdl.PDL, "enabled", False)
     launches = _catch_launches(monkeypatch)
     _decode_launches()
-    for _, _, kw in launches:
+    for fn, args, kw in launches:
         assert kw.get("PDL") is False and "launch_pdl" not in kw
     fn, args, kw = next(x for x in launches if x[0].fn.__name__ == "_split_kernel")
     assert "griddepcontrol" not in _compile_for_hopper(fn, args, kw)
-
-
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_with_pdl_the_gemm_prefetches_its_weight_before_the_wait(monkeypatch, swiglu):
-    from prhs_kernels.gemm import triton as gt
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setitem(pdl.PDL, "enabled", True)
-    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
-    monkeypatch.setitem(gt.TUNING, "pdl_prefetch_tiles", 2)
-    launches = _catch_launches(monkeypatch)
-    n = 128
-    gt.decode_linear_triton(torch.zeros(2, 512, dtype=torch.bfloat16),
-                            torch.zeros((2 if swiglu else 1) * n, 512, dtype=torch.bfloat16),
-                            None, swiglu=swiglu)  # fmt: skip
-    (fn, args, kw), *_ = launches
-    assert kw["PREFETCH"] == 2
-    ptx = _compile_for_hopper(fn, args, kw)
-    wait = ptx.index("griddepcontrol.wait")
-    # Two tiles of 128 columns: four 128-byte lines a row, for the gate rows and the up rows.
-    # 64 rows a program (x2 with the up rows) x 4 lines over 128 threads: 2 (4) a thread.
-    assert ptx[:wait].count("prefetch.global.L2") == (4 if swiglu else 2)
-    assert "ld.global" not in ptx[:wait]
-    assert "prefetch.global.L2" not in ptx[wait:]
-    monkeypatch.setitem(pdl.PDL, "enabled", False)  # no PDL: nothing to overlap, no prefetch
-    launches.clear()
-    gt.decode_linear_triton(torch.zeros(2, 512, dtype=torch.bfloat16),
-                            torch.zeros(n, 512, dtype=torch.bfloat16), None)  # fmt: skip
-    assert launches[0][2]["PREFETCH"] == 0
-    assert "prefetch.global" not in _compile_for_hopper(*launches[0])

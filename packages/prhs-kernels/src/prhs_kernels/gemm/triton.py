@@ -42,24 +42,15 @@ __all__ = [
     "split_k",
 ]
 
-TUNING = {"split_k": False, "max_split": 4, "min_tiles": 4, "pdl_prefetch_tiles": 0}
+TUNING = {"split_k": False, "max_split": 4, "min_tiles": 4}
 """The split of ``K`` (:func:`split_k`): whether a weight with fewer row stripes than the GPU
 has multiprocessors streams each stripe in slices of ``K`` (more programs at once, the last
 slice of a stripe summing the partials), at most ``max_split`` slices of at least
 ``min_tiles`` tiles of ``BLOCK_K``. Off: on an H200 it does not pay (the o projection of the
 Llama shapes 12.40 against 12.43 µs at one row, 12.57 against 12.36 at 8; whole steps within
 0.2 %: ``benchmarks/scripts/split_k_check.py`` and the ``sk`` variant of
-``benchmarks/scripts/tuning_ab_device.sh``). ``pdl_prefetch_tiles``: with programmatic
-dependent launch on (:mod:`prhs_kernels.pdl`), each program first asks the L2 for this many
-tiles of its weight rows, before it waits for the kernel ahead (0: none). Module-level so that
-a benchmark can sweep them."""
-
-
-def _pdl(device: torch.device) -> dict:
-    """The kernel's launch arguments for PDL (:func:`prhs_kernels.pdl.pdl_args`) and the
-    weight prefetch that PDL allows."""
-    args = pdl_args(device)
-    return {**args, "PREFETCH": TUNING["pdl_prefetch_tiles"] if args["PDL"] else 0}
+``benchmarks/scripts/tuning_ab_device.sh``). Module-level so that a
+benchmark can sweep them."""
 
 
 @triton.jit  # at import, unlike the kernel (a helper; interpreted tests import with the flag)
@@ -142,19 +133,6 @@ def _rope_epilogue(
         tl.store(POS, pos + 1, mask=last)
 
 
-@triton.jit  # at import, unlike the kernel (a helper; interpreted tests import with the flag)
-def _prefetch_rows(W, rows, ok, stride_wn, k_lo, k_hi, COLS: tl.constexpr):
-    """``prefetch.global.L2`` of columns ``[k_lo, min(k_lo + COLS, k_hi))`` of the weight's
-    ``rows``, one per 128-byte line (a 2-byte weight; rows where ``ok`` is false skipped)."""
-    LINES: tl.constexpr = max(COLS // 64, 1)
-    col = k_lo + tl.arange(0, LINES) * 64
-    keep = ok[:, None] & (col[None, :] < k_hi)
-    ptr = W + rows[:, None].to(tl.int64) * stride_wn + col[None, :]
-    ptr = tl.where(keep, ptr, W)  # a line of the weight's own first row: harmless
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
 def _decode_linear_kernel(
     X,
     W,
@@ -211,8 +189,8 @@ def _decode_linear_kernel(
     HALF: tl.constexpr,
     ADVANCE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     pid = tl.program_id(0)
     split = tl.program_id(1)
     if ROPE:
@@ -233,19 +211,6 @@ def _decode_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:  # this program streams columns [split·k_split, (split+1)·k_split) only
-        k_lo = split * k_split
-        k_hi = tl.minimum(k_lo + k_split, K)
-    if PDL and PREFETCH > 0:
-        # Launched ahead of the kernel before it finishes (PDL), the program asks the L2 for
-        # the first PREFETCH tiles of its own weight rows while it waits: the weight depends
-        # on no earlier kernel, and a prefetch does not block.
-        _prefetch_rows(W, offs_n, n_ok, stride_wn, k_lo, k_hi, PREFETCH * BLOCK_K)
-        if SWIGLU:
-            _prefetch_rows(W, offs_n + N, n_ok, stride_wn, k_lo, k_hi, PREFETCH * BLOCK_K)
-    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # SWIGLU: the weight is [gate; up] (2N rows); this program also streams the up rows of its
     # columns, into a second accumulator.
@@ -256,6 +221,12 @@ def _decode_linear_kernel(
     sq = tl.zeros([BLOCK_M], tl.float32)  # RMS_IN: each row's sum of x², from the tiles of x
     # The loop only loads and multiplies: a tile changed on its way to the MMA would go through
     # registers and back to shared memory, serialising the weight stream.
+    # SPLIT_K > 1: this program streams columns [split·k_split, (split+1)·k_split) only.
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = split * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w_ok = n_ok[:, None]
@@ -453,7 +424,7 @@ def decode_linear_triton(
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
         RMS_IN=rms_in, RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None,
         UPCAST=interpreting(), SPLIT_K=splits, ROPE=False, HALF=1, ADVANCE=False,
-        **_pdl(x.device), num_warps=warps, num_stages=stages,
+        **pdl_args(x.device), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
 
@@ -522,7 +493,7 @@ def _launch_rope(
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=1,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SWIGLU=False, ROW_SCALE=False,
         RMS_IN=rms_in, RESIDUAL=False, NORM_OUT=False, UPCAST=interpreting(), SPLIT_K=1,
-        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, **_pdl(x.device),
+        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, **pdl_args(x.device),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
