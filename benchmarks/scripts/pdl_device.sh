@@ -1,8 +1,7 @@
-# Programmatic dependent launch (prhs_kernels.pdl) and the merge in the last slice with whole loads
-# (TUNING["merge_whole"]), on the device in one call: the CIS launches' GPU check with and without
-# PDL (checked against the torch ops, then a reuse step's launches timed back to back), the sparse
-# kernel checked and timed alone (shipped / PDL / last slice merging whole), then Table V points
-# A/B'd within what is left of ~9 minutes (tuning_ab_device.sh variants).
+# Programmatic dependent launch (prhs_kernels.pdl) on the device in one call: the CIS launches' GPU
+# check with and without PDL (checked against the torch ops, then a reuse step's launches timed back
+# to back), the sparse kernel checked and timed alone (shipped / PDL), then Table V points A/B'd
+# within what is left of ~9 minutes (tuning_ab_device.sh variants).
 # Usage: [POINTS=...] [VARIANTS=...] [BUDGET_S=540] [CHECK_PDL="1 0"] bash benchmarks/scripts/pdl_device.sh
 set -e
 export PYTHONPATH=$PWD/packages/prhs-core/src:$PWD/packages/prhs-kernels/src:$PWD/packages/prhs-selectors/src:$PWD/packages/prhs-eval/src
@@ -14,7 +13,7 @@ for pdl in ${CHECK_PDL:-1 0}; do
     echo "== decide_compose_check PRHS_PDL=$pdl"; tail -14 $OUT/raw/check-pdl$pdl.txt
 done
 shapes=1:32:8:contig,1:8:8:contig,8:8:8:contig,8:32:8:contig,16:8:8:contig
-for run in "shipped:0:" "pdl:1:" "whole:0:--merge-last 1024 --merge-whole" "pdlwhole:1:--merge-last 1024 --merge-whole"; do
+for run in "shipped:0:" "pdl:1:"; do
     IFS=: read -r name pdl extra <<< "$run"
     PRHS_PDL=$pdl python benchmarks/scripts/sparse_probe.py --shipped-only $extra --shapes $shapes \
         --out $OUT/raw/probe-$name.jsonl 2>&1 | grep "^B" | sed "s/^/$name /" || true
@@ -29,7 +28,7 @@ for f in sys.argv[1:]:
 PY
 left=$(( ${BUDGET_S:-540} - (SECONDS - start) ))
 echo "== Table V A/B, $left s left"
-POINTS=${POINTS:-"llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS"} VARIANTS=${VARIANTS:-"base pdl ml16+mw pdl+ml16+mw"} \
+POINTS=${POINTS:-"llama3-8b:8:4096:CIS llama2-7b:1:4096:CIS"} VARIANTS=${VARIANTS:-"base pdl"} \
     timeout $left bash benchmarks/scripts/tuning_ab_device.sh > $OUT/raw/ab.log 2>&1 || tail -5 $OUT/raw/ab.log
 [ -f $OUT/all-rows.jsonl ] && mv $OUT/all-rows.jsonl $OUT/raw/
 python - "$OUT/raw/all-rows.jsonl" <<'PY' | tee $OUT/ab.txt

@@ -21,8 +21,6 @@ The merge by a launch against the last slice merging, at CIS-8's shapes (two run
         --shapes 1:32:8:contig,1:8:8:contig,8:32:8:contig,16:8:8:contig --out launch.jsonl
     python benchmarks/scripts/sparse_probe.py --shipped-only --merge-last 1024 \
         --shapes 1:32:8:contig,1:8:8:contig,8:32:8:contig,16:8:8:contig --out last.jsonl
-
-Add ``--merge-whole`` to the second for the merging slice's whole loads (one per query head).
 """
 
 from __future__ import annotations
@@ -89,11 +87,6 @@ def main() -> None:
         help="TUNING['merge_last'] for the run: up to N slices a row the last slice merges "
         "(0: always the merge launch); default the shipped value",
     )  # fmt: skip
-    ap.add_argument(
-        "--merge-whole", action="store_true",
-        help="TUNING['merge_whole'] for the run: the merging slice loads each head's partials "
-        "of all slices at once",
-    )  # fmt: skip
     a = ap.parse_args()
     plans = PLANS[:1] if a.shipped_only else PLANS
     if a.plans:
@@ -115,8 +108,6 @@ def main() -> None:
     saved = dict(sd.TUNING)
     if a.merge_last is not None:
         sd.TUNING["merge_last"] = a.merge_last
-    if a.merge_whole:
-        sd.TUNING["merge_whole"] = True
     hq, t = 32, a.t
     table: dict[tuple, dict[tuple, float]] = {}
     b2b_table: dict[tuple, float] = {}
@@ -142,8 +133,7 @@ def main() -> None:
             row: dict[str, Any] = {"part": "probe", "B": b, "Hkv": hkv, "s": s, "layout": layout,
                                    "block_n": block_n, "num_warps": warps, "num_stages": stages,
                                    "waves": waves,
-                                   "merge_last": sd.TUNING["merge_last"],
-                                   "merge_whole": sd.TUNING["merge_whole"]}  # fmt: skip
+                                   "merge_last": sd.TUNING["merge_last"]}  # fmt: skip
             try:
                 o.fill_(float("nan"))
                 lse.fill_(float("nan"))

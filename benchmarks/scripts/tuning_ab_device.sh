@@ -3,7 +3,6 @@
 # A variant is a '+'-joined list of knobs (anything else: the shipped settings):
 #   ef    the sparse kernel loads K/V evict_first (TUNING["kv_evict_first"])
 #   mlN   the sparse kernel's merge in the last slice up to N slices (TUNING["merge_last"])
-#   mw    the merging slice loads each head's partials of all slices at once (TUNING["merge_whole"])
 #   wN    the sparse kernel's programs per multiprocessor its slice count aims at (TUNING["waves"])
 #   nsN   the sparse kernel's software-pipelining depth (TUNING["num_stages"])
 #   bnN   the sparse kernel's positions per tile (TUNING["block_n"])
@@ -37,8 +36,6 @@ for point in $POINTS; do  # shape:batch:context:methods (CIS stands for the CIS-
 s.TUNING['kv_evict_first'] = True" ;;
                 ml*) knobs="$knobs
 s.TUNING['merge_last'] = ${knob#ml}" ;;
-                mw) knobs="$knobs
-s.TUNING['merge_whole'] = True" ;;
                 w*) knobs="$knobs
 s.TUNING['waves'] = ${knob#w}" ;;
                 ns*) knobs="$knobs

@@ -226,16 +226,13 @@ def test_sparse_decode_slices_cut_each_rows_count_not_the_width(monkeypatch, mak
     assert part_l.shape == (2, 2, 4) and (part_l > 0).all()
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["slice-by-slice", "whole"])
-def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_kv, whole):
-    # ``merge_last``: a row's last slice to finish merges its partials (slice after slice, or
-    # with ``merge_whole`` each query head's slices in one load); no merge launch, the
+def test_sparse_decode_merge_last_merges_in_the_split_kernel(monkeypatch, make_kv):
+    # ``merge_last``: a row's last slice to finish merges its partials; no merge launch, the
     # reference's numbers (rows with nothing to read included), and every counter back at 0.
     from prhs_kernels.sparse_decode import triton as sd
 
     monkeypatch.setitem(sd.TUNING, "waves", 64)
     monkeypatch.setitem(sd.TUNING, "merge_last", 1 << 20)
-    monkeypatch.setitem(sd.TUNING, "merge_whole", whole)
     monkeypatch.setattr(sd, "_ARRIVALS", {})
     launches = _count_merge_launches(monkeypatch, sd)
     data = make_kv([300, 77], 2, 16, dtype=torch.bfloat16, seed=3)

@@ -47,7 +47,7 @@ __all__ = ["num_splits", "sparse_decode_attention_triton"]
 
 TUNING = {
     "block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "merge_last": 4,
-    "kv_evict_first": False, "merge_whole": False,
+    "kv_evict_first": False,
 }  # fmt: skip
 """Launch parameters: positions per tile of the inner loop, warps per program, software
 pipelining depth, and programs per multiprocessor the split count aims at; ``merge_last``: up
@@ -57,9 +57,7 @@ On an H200, back to back, 128 blocks of 8 a row: B16·Hkv8 (4 slices) 26.6 → 2
 (2 slices) 41.1 → 40.0; but B1·Hkv32 (16 slices) 12.8 → 15.4, one program's merge of 16 slices
 in a row costing more than the launch it saves. ``kv_evict_first``: load K/V rows with the
 ``evict_first`` cache hint (no change measured in a whole step: Llama-2-7B B8·T4k 6.339 against
-6.340 ms; off). ``merge_whole``: the merging slice loads each query head's partials of all
-slices at once (one ``[S, Dv]`` load a head, the merge launch's way) rather than slice after
-slice for the whole group. Module-level so that ``benchmarks/scripts/kernels.py`` and
+6.340 ms; off). Module-level so that ``benchmarks/scripts/kernels.py`` and
 ``benchmarks/scripts/tuning_ab_device.sh`` can sweep them; chosen there, on an H200."""
 
 
@@ -165,8 +163,6 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
-    MERGE_WHOLE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     KV_EVICT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -289,38 +285,29 @@ def _split_kernel(
             arrived = tl.atomic_add(ARRIVE + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
                 tl.atomic_xchg(ARRIVE + pid, 0, sem="relaxed", scope="gpu")
-                if MERGE_WHOLE:
-                    # Each head of the group in turn, all its slices' partials in one [S, Dv]
-                    # load (no chain of round trips, one a slice, as in the loop below).
-                    head0 = b.to(tl.int64) * (HKV * G) + h * G
-                    for i in range(G):
-                        _merge_head(PO, PM, PL, OUT, LSE, head0 + i, b, h * G + i, n_splits,
-                                    stride_ob, stride_oh, stride_lb, stride_lh,
-                                    DV, BLOCK_DV, BLOCK_S)  # fmt: skip
-                else:
-                    row0 = (b.to(tl.int64) * (HKV * G) + qh) * n_splits  # [BLOCK_G]
-                    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                    l_all = tl.zeros([BLOCK_G], tl.float32)
-                    o_all = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-                    for j in range(0, n_splits):
-                        m_j = tl.load(PM + row0 + j, mask=g_ok, other=float("-inf"),
-                                      cache_modifier=".cg")  # fmt: skip
-                        l_j = tl.load(PL + row0 + j, mask=g_ok, other=0.0, cache_modifier=".cg")
-                        o_j = tl.load(
-                            PO + (row0 + j)[:, None] * DV + offs_dv[None, :],
-                            mask=g_ok[:, None] & (offs_dv[None, :] < DV),
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                        m_new = tl.maximum(m_all, m_j)
-                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        a_old = tl.exp(m_all - m_safe)
-                        a_j = tl.exp(m_j - m_safe)
-                        l_all = l_all * a_old + l_j * a_j
-                        o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
-                        m_all = m_new
-                    _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, o_all, l_all, m_all,
-                                      stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
+                row0 = (b.to(tl.int64) * (HKV * G) + qh) * n_splits  # [BLOCK_G]
+                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l_all = tl.zeros([BLOCK_G], tl.float32)
+                o_all = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+                for j in range(0, n_splits):
+                    m_j = tl.load(PM + row0 + j, mask=g_ok, other=float("-inf"),
+                                  cache_modifier=".cg")  # fmt: skip
+                    l_j = tl.load(PL + row0 + j, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    o_j = tl.load(
+                        PO + (row0 + j)[:, None] * DV + offs_dv[None, :],
+                        mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_all, m_j)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    a_old = tl.exp(m_all - m_safe)
+                    a_j = tl.exp(m_j - m_safe)
+                    l_all = l_all * a_old + l_j * a_j
+                    o_all = o_all * a_old[:, None] + o_j * a_j[:, None]
+                    m_all = m_new
+                _write_normalised(OUT, LSE, b, qh, g_ok, offs_dv, o_all, l_all, m_all,
+                                  stride_ob, stride_oh, stride_lb, stride_lh, DV)  # fmt: skip
 
 
 def _merge_kernel(
@@ -477,7 +464,6 @@ def sparse_decode_attention_triton(
         HKV=hkv, G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv,
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
-        MERGE_WHOLE=merge_last and TUNING["merge_whole"], BLOCK_S=_pow2(n_split, 2),
         KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
         **pdl_args(dev), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
