@@ -11,8 +11,9 @@ from prhs_kernels import pdl
 
 triton = pytest.importorskip("triton")
 
-_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float64: "*fp64",
-        torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}  # fmt: skip
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
+        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8",
+        torch.bool: "*i1"}  # fmt: skip
 
 
 def test_pdl_is_off_unless_asked_and_possible(monkeypatch):
@@ -77,8 +78,12 @@ def _decode_launches():
     """One call of each decode-path launcher, on CPU tensors (caught, never run)."""
     from prhs_core.layout import ContiguousKV
     from prhs_core.selection import Selection
-    from prhs_kernels.cis import cis_decide_compose, retrieval_block_scores, top_blocks_compose
-    from prhs_kernels.cis import cis_local_width
+    from prhs_kernels.cis import (
+        cis_decide_compose,
+        cis_local_width,
+        retrieval_block_scores,
+        top_blocks_compose,
+    )
     from prhs_kernels.compose import window_widths
     from prhs_kernels.gemm.triton import decode_linear_triton
     from prhs_kernels.kv.triton import row_bounds_triton
@@ -147,7 +152,7 @@ def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch):
     monkeypatch.setitem(pdl.PDL, "enabled", False)
     launches = _catch_launches(monkeypatch)
     _decode_launches()
-    for fn, args, kw in launches:
+    for _, _, kw in launches:
         assert kw.get("PDL") is False and "launch_pdl" not in kw
     fn, args, kw = next(x for x in launches if x[0].fn.__name__ == "_split_kernel")
     assert "griddepcontrol" not in _compile_for_hopper(fn, args, kw)
