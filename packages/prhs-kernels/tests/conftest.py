@@ -225,6 +225,42 @@ def layout_name(request) -> str:
     return request.param
 
 
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
+        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8",
+        torch.bool: "*i1"}  # fmt: skip
+
+
+def compile_for_hopper(fn, args: tuple, kw: dict) -> str:
+    """Compile a caught launch of the jitted kernel ``fn`` (positional ``args``, keywords ``kw``
+    with ``num_warps``, optionally ``num_stages`` and ``launch_pdl``) for sm_90 on the CPU, no
+    GPU needed: Triton's compiler rejects what its interpreter runs. Returns the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    given = {**dict(zip(fn.arg_names, args, strict=False)), **kw}
+    options = {"num_warps": given.pop("num_warps")}
+    given.pop("num_stages", None)
+    if given.pop("launch_pdl", False):
+        options["launch_pdl"] = True
+    const = {p.name: given[p.name] for p in fn.params if p.is_constexpr}
+
+    def ty(v: object) -> str:
+        if isinstance(v, torch.Tensor):
+            return _PTR[v.dtype]
+        return "fp32" if isinstance(v, float) else "i32"
+
+    sig = {p.name: "constexpr" if p.is_constexpr else ty(given[p.name]) for p in fn.params}
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(ASTSource(fn, sig, const), target=target, options=options).asm["ptx"]
+
+
+@pytest.fixture
+def hopper_compile():
+    """:func:`compile_for_hopper`: a caught launch compiled for sm_90 on the CPU (its PTX)."""
+    return compile_for_hopper
+
+
 # ``interpreted/`` needs Triton imported under TRITON_INTERPRET=1: ``test_triton.py`` runs it in a
 # pytest process of its own, so a run without that variable leaves it out.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]

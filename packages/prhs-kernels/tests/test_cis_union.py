@@ -109,31 +109,6 @@ def test_compose_refuses_bad_union_fields_before_any_write():
     assert (good_u == 0).all() and (good_c == 0).all()
 
 
-_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
-        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8"}  # fmt: skip
-
-
-def _compile_for_hopper(fn, args, kw):
-    """Compile a caught launch of ``fn`` for sm_90 on the CPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    given = {**dict(zip(fn.arg_names, args, strict=False)), **kw}
-    options = {"num_warps": given.pop("num_warps")}
-    given.pop("num_stages", None)
-    const = {p.name: given[p.name] for p in fn.params if p.is_constexpr}
-    sig = {
-        p.name: "constexpr"
-        if p.is_constexpr
-        else _PTR[given[p.name].dtype]
-        if isinstance(given[p.name], torch.Tensor)
-        else "i32"
-        for p in fn.params
-    }
-    triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
-
-
 class _Catch:
     def __init__(self):
         self.launches = []
@@ -163,7 +138,7 @@ def _caught_state(n, h, g, d, mm, m, r):
     ],
 )
 def test_the_compose_kernel_compiles_for_a_hopper_gpu(
-    monkeypatch, mm, m, r, s, union, retrieving_only
+    monkeypatch, hopper_compile, mm, m, r, s, union, retrieving_only
 ):
     """The kernel's launch, caught on the CPU and compiled for sm_90 (no GPU needed): Triton's
     compiler rejects what its interpreter runs, e.g. a name bound to tensors of two shapes in
@@ -187,7 +162,7 @@ def test_the_compose_kernel_compiles_for_a_hopper_gpu(
         out_counts=torch.zeros(b, h, dtype=torch.int32), hold_local=True,
         **(fields if union else {}), retrieving_only=retrieving_only, path="triton",
     )  # fmt: skip
-    _compile_for_hopper(real[2], *catch.launches.pop())
+    hopper_compile(real[2], *catch.launches.pop())
 
 
 @pytest.mark.parametrize(
@@ -195,7 +170,7 @@ def test_the_compose_kernel_compiles_for_a_hopper_gpu(
     [(128, 42, 1, 8, True), (64, 7, 3, 1, False), (64, 64, 2, 16, True)],
 )
 def test_the_decision_with_the_early_composition_compiles_for_a_hopper_gpu(
-    monkeypatch, mm, m, r, s, hold
+    monkeypatch, hopper_compile, mm, m, r, s, hold
 ):
     """``cis_decide_compose``'s launch (the decision kernel writing the non-retrieving rows'
     selections), caught on the CPU and compiled for sm_90, as the composition's above."""
@@ -217,7 +192,7 @@ def test_the_decision_with_the_early_composition_compiles_for_a_hopper_gpu(
         nonfinite=torch.zeros(1, dtype=torch.int64), any_retrieve=torch.zeros(1, dtype=torch.bool),
         path="triton",
     )  # fmt: skip
-    _compile_for_hopper(real[0], *catch.launches.pop())
+    hopper_compile(real[0], *catch.launches.pop())
 
 
 def _decide_case(n_local=16, hold=True):
@@ -315,7 +290,9 @@ def test_compose_retrieving_only_needs_the_union():
 
 
 @pytest.mark.parametrize(("nb", "mm", "m", "r", "s"), [(512, 128, 42, 1, 8), (2048, 64, 7, 3, 1)])
-def test_the_fused_top_k_and_composition_compiles_for_a_hopper_gpu(monkeypatch, nb, mm, m, r, s):
+def test_the_fused_top_k_and_composition_compiles_for_a_hopper_gpu(
+    monkeypatch, hopper_compile, nb, mm, m, r, s
+):
     """``top_blocks_compose``'s launch (the top-k's last pass composing its row), caught on the
     CPU and compiled for sm_90, as the composition's above."""
     pytest.importorskip("triton")
@@ -335,7 +312,7 @@ def test_the_fused_top_k_and_composition_compiles_for_a_hopper_gpu(monkeypatch, 
         out_counts=torch.zeros(b, h, dtype=torch.int32), hold_local=True, **fields,
         any_retrieve=torch.zeros(1, dtype=torch.bool), path="triton",
     )  # fmt: skip
-    _compile_for_hopper(real, *catch.launches.pop())
+    hopper_compile(real, *catch.launches.pop())
 
 
 def test_top_blocks_compose_refuses_bad_input_before_any_write():

@@ -11,10 +11,6 @@ from prhs_kernels import pdl
 
 triton = pytest.importorskip("triton")
 
-_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
-        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8",
-        torch.bool: "*i1"}  # fmt: skip
-
 
 def test_pdl_is_off_unless_asked_and_possible(monkeypatch):
     monkeypatch.setitem(pdl.PDL, "enabled", False)
@@ -50,28 +46,6 @@ def _catch_launches(monkeypatch):
 
     monkeypatch.setattr(JITFunction, "run", run)
     return launches
-
-
-def _compile_for_hopper(fn, args, kw):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    given = {**dict(zip(fn.arg_names, args, strict=False)), **kw}
-    options = {"num_warps": given.pop("num_warps")}
-    given.pop("num_stages", None)
-    if given.pop("launch_pdl", False):
-        options["launch_pdl"] = True
-    const = {p.name: given[p.name] for p in fn.params if p.is_constexpr}
-
-    def ty(v):
-        if isinstance(v, torch.Tensor):
-            return _PTR[v.dtype]
-        return "fp32" if isinstance(v, float) else "i32"
-
-    sig = {p.name: "constexpr" if p.is_constexpr else ty(given[p.name]) for p in fn.params}
-    return triton.compile(
-        ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options
-    ).asm["ptx"]
 
 
 def _decode_launches():
@@ -124,7 +98,9 @@ def _decode_launches():
     del scores
 
 
-def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(monkeypatch):
+def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(
+    monkeypatch, hopper_compile
+):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.PDL, "enabled", True)
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
@@ -140,14 +116,14 @@ def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(mon
         if fn.fn.__name__ in seen:
             continue
         seen.add(fn.fn.__name__)
-        ptx = _compile_for_hopper(fn, args, kw)
+        ptx = hopper_compile(fn, args, kw)
         # The wait comes first: nothing is loaded before it.
         wait = ptx.index("griddepcontrol.wait")
         assert "griddepcontrol.launch_dependents" in ptx[wait:], fn.fn.__name__
         assert "ld.global" not in ptx[:wait], fn.fn.__name__
 
 
-def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch):
+def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch, hopper_compile):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.PDL, "enabled", False)
     launches = _catch_launches(monkeypatch)
@@ -155,4 +131,4 @@ def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch):
     for _, _, kw in launches:
         assert kw.get("PDL") is False and "launch_pdl" not in kw
     fn, args, kw = next(x for x in launches if x[0].fn.__name__ == "_split_kernel")
-    assert "griddepcontrol" not in _compile_for_hopper(fn, args, kw)
+    assert "griddepcontrol" not in hopper_compile(fn, args, kw)
