@@ -8,6 +8,8 @@
 #   bnN   the sparse kernel's positions per tile (TUNING["block_n"])
 #   nwN   the sparse kernel's warps per program (TUNING["num_warps"])
 #   pdl   the decode path's kernels launch with programmatic dependent launch (prhs_kernels.pdl.PDL)
+#   pdl_F1_F2 PDL, only the families F1, F2, ... launched early (prhs_kernels.pdl.KERNELS names:
+#         gemm cis score sparse merge rows), e.g. pdl_cis_score_merge_rows
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -46,6 +48,8 @@ s.TUNING['block_n'] = ${knob#bn}" ;;
 s.TUNING['num_warps'] = ${knob#nw}" ;;
                 pdl) knobs="$knobs
 import prhs_kernels.pdl as P; P.PDL['enabled'] = True" ;;
+                pdl_*) knobs="$knobs
+import prhs_kernels.pdl as P; P.PDL.update(enabled=True, kernels=frozenset('${knob#pdl_}'.split('_')))" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs

@@ -14,17 +14,46 @@ triton = pytest.importorskip("triton")
 
 def test_pdl_is_off_unless_asked_and_possible(monkeypatch):
     monkeypatch.setitem(pdl.PDL, "enabled", False)
-    assert pdl.pdl_args("cpu") == {"PDL": False}
+    assert pdl.pdl_args("cpu", "cis") == {"PDL": False}
     monkeypatch.setitem(pdl.PDL, "enabled", True)
     assert not pdl.pdl_supported("cpu")
-    assert pdl.pdl_args("cpu") == {"PDL": False}  # asked for, but not a GPU
+    assert pdl.pdl_args("cpu", "cis") == {"PDL": False}  # asked for, but not a GPU
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.pdl_supported("cuda")  # the interpreter: nothing to launch with it
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
-    assert pdl.pdl_args("cuda") == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_args("cuda", "cis") == {"PDL": True, "launch_pdl": True}
     monkeypatch.setitem(pdl.PDL, "enabled", False)
-    assert pdl.pdl_args("cuda") == {"PDL": False}
+    assert pdl.pdl_args("cuda", "cis") == {"PDL": False}
+
+
+def test_pdl_launches_early_only_the_families_asked_for(monkeypatch):
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
+    monkeypatch.setitem(pdl.PDL, "enabled", True)
+    monkeypatch.setitem(pdl.PDL, "kernels", frozenset({"cis", "merge"}))
+    assert pdl.pdl_args("cuda", "cis") == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_args("cuda", "merge") == {"PDL": True, "launch_pdl": True}
+    # The others still signal their dependents, but start in order.
+    assert pdl.pdl_args("cuda", "sparse") == {"PDL": True}
+    assert pdl.pdl_args("cuda", "gemm") == {"PDL": True}
+    with pytest.raises(ValueError, match="unknown kernel family 'attention'"):
+        pdl.pdl_args("cuda", "attention")
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled", "kernels"),
+    [("0", False, set(pdl.KERNELS)), ("", False, set(pdl.KERNELS)), ("1", True, set(pdl.KERNELS)),
+     ("all", True, set(pdl.KERNELS)), ("On", True, set(pdl.KERNELS)),
+     ("cis, score,rows", True, {"cis", "score", "rows"})],
+)  # fmt: skip
+def test_pdl_from_the_environment(value, enabled, kernels):
+    got = pdl._from_env(value)
+    assert got["enabled"] is enabled and set(got["kernels"]) == kernels
+
+
+def test_pdl_environment_with_an_unknown_family_is_an_error():
+    with pytest.raises(ValueError, match=r"unknown kernel families \['gemms'\].*gemm, cis"):
+        pdl._from_env("cis,gemms")
 
 
 def test_pdl_needs_a_hopper_gpu(monkeypatch):
@@ -121,6 +150,28 @@ def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(
         wait = ptx.index("griddepcontrol.wait")
         assert "griddepcontrol.launch_dependents" in ptx[wait:], fn.fn.__name__
         assert "ld.global" not in ptx[:wait], fn.fn.__name__
+
+
+def _family(fn) -> str:
+    """The :data:`prhs_kernels.pdl.KERNELS` family of a caught launch's kernel."""
+    module = fn.fn.__module__.split(".")[1]
+    if module == "sparse_decode":
+        return "sparse" if fn.fn.__name__ == "_split_kernel" else "merge"
+    return {"gemm": "gemm", "cis": "cis", "score": "score", "kv": "rows"}[module]
+
+
+def test_pdl_scoped_to_families_launches_only_those_early(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(pdl.PDL, "enabled", True)
+    monkeypatch.setitem(pdl.PDL, "kernels", frozenset({"cis", "rows"}))
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
+    launches = _catch_launches(monkeypatch)
+    _decode_launches()
+    families = {_family(fn) for fn, _, _ in launches}
+    assert {"cis", "rows", "sparse", "gemm", "score"} <= families, families
+    for fn, _, kw in launches:
+        assert kw.get("PDL") is True, fn.fn.__name__  # every kernel still signals its dependents
+        assert kw.get("launch_pdl", False) is (_family(fn) in {"cis", "rows"}), fn.fn.__name__
 
 
 def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch, hopper_compile):

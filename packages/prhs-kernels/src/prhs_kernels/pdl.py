@@ -36,12 +36,36 @@ import triton.language as tl
 
 from prhs_kernels.paths import interpreting
 
-__all__ = ["PDL", "pdl_args", "pdl_supported", "pdl_wait"]
+__all__ = ["KERNELS", "PDL", "pdl_args", "pdl_supported", "pdl_wait"]
 
-PDL = {"enabled": os.environ.get("PRHS_PDL", "0").strip().lower() in ("1", "true", "on", "yes")}
-"""Whether the decode path's kernels launch with PDL where the GPU and Triton support it
-(initially from ``PRHS_PDL=1`` in the environment). Set before a step is captured in a CUDA
-graph: a graph keeps the launches it recorded."""
+KERNELS = ("gemm", "cis", "score", "sparse", "merge", "rows")
+"""The decode path's kernel families, as :func:`pdl_args` names them: the decode GEMMs, the CIS
+decision / logits / block scores / top-k / composition kernels, the scoring kernels, sparse
+decode attention's split kernel and its merge, and the row bounds."""
+
+
+def _from_env(value: str) -> dict:
+    value = value.strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return {"enabled": False, "kernels": frozenset(KERNELS)}
+    if value in ("1", "true", "on", "yes", "all"):
+        return {"enabled": True, "kernels": frozenset(KERNELS)}
+    names = frozenset(x.strip() for x in value.split(",") if x.strip())
+    unknown = sorted(names - set(KERNELS))
+    if unknown:
+        raise ValueError(
+            f"PRHS_PDL={value!r} names unknown kernel families {unknown}: expected 0, 1, all "
+            f"or a comma-separated subset of {', '.join(KERNELS)}"
+        )
+    return {"enabled": True, "kernels": names}
+
+
+PDL = _from_env(os.environ.get("PRHS_PDL", "0"))
+"""Whether the decode path's kernels use PDL where the GPU and Triton support it, and which of
+the :data:`KERNELS` families are launched with it (initially from ``PRHS_PDL``: ``1`` for all,
+or a comma-separated list such as ``cis,score,merge,rows``). With PDL enabled every kernel
+signals its dependents early; only the listed families are *launched* early. Set before a step
+is captured in a CUDA graph: a graph keeps the launches it recorded."""
 
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -83,9 +107,18 @@ def pdl_supported(device: torch.device | str) -> bool:
     return _triton_launches_pdl() and _hopper_or_later(device)
 
 
-def pdl_args(device: torch.device | str) -> dict[str, bool]:
-    """A decode-path launch's keyword arguments: the kernel's ``PDL`` flag and, when it is on,
-    Triton's ``launch_pdl`` (on where :data:`PDL` asks for it and :func:`pdl_supported`)."""
-    if PDL["enabled"] and pdl_supported(device):
+def pdl_args(device: torch.device | str, kernel: str) -> dict[str, bool]:
+    """A decode-path launch's keyword arguments for a kernel of family ``kernel`` (one of
+    :data:`KERNELS`): the kernel's ``PDL`` flag (on where :data:`PDL` is enabled and
+    :func:`pdl_supported`) and, for the families :data:`PDL` lists, Triton's ``launch_pdl``.
+
+    A kernel compiled with the flag but launched without the attribute waits for nothing (its
+    ``griddepcontrol.wait`` returns at once) and still lets a listed kernel after it start
+    early."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel family {kernel!r}: expected one of {', '.join(KERNELS)}")
+    if not (PDL["enabled"] and pdl_supported(device)):
+        return {"PDL": False}
+    if kernel in PDL["kernels"]:
         return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    return {"PDL": True}

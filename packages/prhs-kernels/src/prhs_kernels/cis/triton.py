@@ -1107,7 +1107,7 @@ def top_blocks_triton(
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
             RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block), **extra,
-            **pdl_args(dev), num_warps=_topk_warps(block, last),
+            **pdl_args(dev, "cis"), num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
     return idx, val
@@ -1215,7 +1215,7 @@ def cis_decide_triton(
         0.0 if tensor else float(tau), n_local, n_sink,
         HKV=h, G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), COUNT=nonfinite is not None,
         TAU_MODE=mode, HAS_ANY=any_retrieve is not None, EARLY=early is not None, **consts,
-        **pdl_args(query.device), num_warps=4,
+        **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     return retrieve, bad
 
@@ -1257,7 +1257,7 @@ def retrieval_block_scores_triton(
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 2), BLOCK_S=_pow2(n_spans, 2), BS=s,
         TILE_BLOCKS=_pow2(tile_blocks, 1), FILL_BLOCKS=fill_blocks,
         BLOCK_R=_pow2(b * h, 2), MASS=score == "mass", FILL=fill_idle,
-        **pdl_args(query.device), num_warps=4,
+        **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     return scores
 
@@ -1366,7 +1366,7 @@ def cis_compose_triton(
         RETRIEVE=retrieve.contiguous().view(torch.int8), BAD=bad.contiguous().view(torch.int8),
         NEW_IDX=new_idx, NEW_SCORES=new_scores,
         ANY=any_retrieve.view(torch.int8) if any_retrieve is not None else args["SEL_SCRATCH"],
-        HAS_ANY=any_retrieve is not None, **args, **pdl_args(query.device),
+        HAS_ANY=any_retrieve is not None, **args, **pdl_args(query.device, "cis"),
         num_warps=_compose_warps(block_w),
     )  # fmt: skip
 
@@ -1730,12 +1730,12 @@ def rescore_scores_triton(
         n_split,
         HKV=h, G=g, BLOCK_G=block_g, D=d, BLOCK_D=_pow2(d, 16), BS=s, BLOCK_E=block_e,
         BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
-        UPCAST=interpreting(), **pdl_args(query.device), num_warps=4,
+        UPCAST=interpreting(), **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     scores[(b * h, n_split)](
         *fields, slots, flags, scr, part, out, *strides, n_pool, m_list, chunk, n_split,
         HKV=h, G=g, BLOCK_G=block_g, G_POW=_pow2(g, 1), BS=s, BLOCK_E=block_e,
-        BLOCK_S=_pow2(n_split, 1), MASS=score == "mass", **pdl_args(query.device),
+        BLOCK_S=_pow2(n_split, 1), MASS=score == "mass", **pdl_args(query.device, "cis"),
         num_warps=4,
     )  # fmt: skip
     return out
@@ -1769,7 +1769,7 @@ def rescore_write_triton(
         chosen.to(torch.int32).contiguous(), values.contiguous(), flag, tmp, *strides, n_pool,
         m_list, r_next,
         HKV=h, BLOCK_M=_pow2(m_list, 16), BLOCK_P=block_p, BLOCK_R=min(_pow2(r_next, 16), 1024),
-        SEG=_scan_segment(block_p), **pdl_args(dev), num_warps=4 if block_p <= 1024 else 8,
+        SEG=_scan_segment(block_p), **pdl_args(dev, "cis"), num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
 
 
@@ -1857,6 +1857,6 @@ def retrieval_pool_triton(
         cand, cval, pick, pval, retrieve.contiguous().view(torch.int8), slots, flag, out,
         anchor_next, *anchor_next.stride()[:2], k_all, mm, r,
         HKV=h, BLOCK_M=_pow2(mm, 16), BLOCK_P=block_p, SEG=_scan_segment(block_p),
-        **pdl_args(scores.device), num_warps=4 if block_p <= 1024 else 8,
+        **pdl_args(scores.device, "cis"), num_warps=4 if block_p <= 1024 else 8,
     )  # fmt: skip
     return out, pval

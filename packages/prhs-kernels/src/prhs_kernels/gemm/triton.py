@@ -424,7 +424,7 @@ def decode_linear_triton(
         HAS_BIAS=bias is not None, SWIGLU=swiglu, ROW_SCALE=sumsq is not None,
         RMS_IN=rms_in, RESIDUAL=residual is not None, NORM_OUT=norm_weight is not None,
         UPCAST=interpreting(), SPLIT_K=splits, ROPE=False, HALF=1, ADVANCE=False,
-        **pdl_args(x.device), num_warps=warps, num_stages=stages,
+        **pdl_args(x.device, "gemm"), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y, hg, ps
 
@@ -493,7 +493,7 @@ def _launch_rope(
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=1,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SWIGLU=False, ROW_SCALE=False,
         RMS_IN=rms_in, RESIDUAL=False, NORM_OUT=False, UPCAST=interpreting(), SPLIT_K=1,
-        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, **pdl_args(x.device),
+        ROPE=True, HALF=d // 2, ADVANCE=rope.advance, **pdl_args(x.device, "gemm"),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y

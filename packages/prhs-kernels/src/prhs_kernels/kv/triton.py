@@ -56,6 +56,6 @@ def row_bounds_triton(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     raw = valid.view(torch.uint8)  # same strides: a view, not a copy
     _kernel(interpreting())[(b,)](
         raw, start, lens, t, raw.stride(0), raw.stride(1), BLOCK=BLOCK,
-        **pdl_args(valid.device), num_warps=4,
+        **pdl_args(valid.device, "rows"), num_warps=4,
     )  # fmt: skip
     return start, lens

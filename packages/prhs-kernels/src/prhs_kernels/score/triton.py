@@ -283,7 +283,7 @@ def retrieval_logits_triton(
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
-        **pdl_args(dev), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        **pdl_args(dev, "score"), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
 
@@ -316,7 +316,7 @@ def retrieval_probs_triton(
         flags, logits, sm, sl, out, out.stride(0), out.stride(1), t_max, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, G_POW=max(2, triton.next_power_of_2(g)),
         BLOCK_S=max(2, triton.next_power_of_2(n_spans)), BLOCK_T=min(256, span),
-        SPAN=span, HAS_ACTIVE=active is not None, **pdl_args(query.device), num_warps=4,
+        SPAN=span, HAS_ACTIVE=active is not None, **pdl_args(query.device, "score"), num_warps=4,
     )  # fmt: skip
     if given is not None and given is not out:
         given.copy_(out)

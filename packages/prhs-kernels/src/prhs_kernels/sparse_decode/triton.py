@@ -465,14 +465,14 @@ def sparse_decode_attention_triton(
         BS=bs, BLOCK_N=block_n, DENSE=dense, PAGED=paged, HAS_START=has_start,
         UPCAST=interpreting(), DIRECT=direct, MERGE_LAST=merge_last,
         KV_EVICT="evict_first" if TUNING["kv_evict_first"] else "",
-        **pdl_args(dev), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        **pdl_args(dev, "sparse"), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )  # fmt: skip
     if not direct and not merge_last:
         merge_kernel[(b * hq,)](
             part_o, part_m, part_l, out, lse,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), n_split,
             HQ=hq, DV=dv, BLOCK_DV=block_dv, BLOCK_S=_pow2(n_split, 2),
-            **pdl_args(dev), num_warps=4,
+            **pdl_args(dev, "merge"), num_warps=4,
         )  # fmt: skip
     if given_out is not None and given_out is not out:
         given_out.copy_(out)
