@@ -14,8 +14,9 @@ keep the dependency (stream capture records it as a programmatic edge).
 
 The kernels that take part: the decode GEMM, the CIS decision, logits, block scores, top-k,
 composition and re-scoring, the scoring kernels, sparse decode attention (split and merge) and
-the row bounds. Off by default (:data:`PDL`, or ``PRHS_PDL=1``); :func:`pdl_args` gives a
-launch's arguments.
+the row bounds. Off by default (:data:`PDL`, or ``PRHS_PDL=1``); it can be limited to some
+kernel families (:data:`KERNELS`, e.g. ``PRHS_PDL=cis,score,merge,rows``): those launch early,
+the others in order. :func:`pdl_args` gives a launch's arguments.
 
 Measured on an H200 (CIS-8 reuse, whole decode steps, A/B in one call): it pays where the step
 is made of short kernels and loses where it is made of long ones -- Llama-2-7B B1·T4k 4.285 ->
