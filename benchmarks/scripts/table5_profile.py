@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -96,11 +97,13 @@ def main() -> int:
         if rt is not None:
             rt.disable()
         by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        each: dict[str, list[float]] = defaultdict(list)  # every launch's µs, for the median
         order = []
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 by[e.name][0] += e.device_time_total / 1e3 / a.replays
                 by[e.name][1] += 1 / a.replays
+                each[e.name].append(e.device_time_total)
                 order.append((e.time_range.start, e.name, e.device_time_total))
         order.sort()
         n_step = round(sum(v[1] for v in by.values()))
@@ -110,12 +113,14 @@ def main() -> int:
         top = sorted(by.items(), key=lambda kv: -kv[1][0])[: a.top]
         report[m.label] = {
             "kernel_ms_per_step": total, "kernels_per_step": kernels,
-            "top": [{"kernel": k[:120], "ms": v[0], "count": v[1]} for k, v in top],
+            "top": [{"kernel": k[:120], "ms": v[0], "count": v[1],
+                     "median_us": statistics.median(each[k])} for k, v in top],
             "sequence": sequence,
         }  # fmt: skip
         print(f"== {m.label}: {kernels:.0f} kernels/step, {total:.3f} ms of kernel time/step")
         for k, v in top:
-            print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  {k[:100]}")
+            med = statistics.median(each[k])
+            print(f"   {v[0]:8.3f} ms  {v[1]:6.0f}x  median {med:8.2f} us  {k[:90]}")
         for i, item in enumerate(sequence):
             print(f"   #{i:3d} {item['us']:7.2f} us  {item['kernel'][:100]}")
         del g

@@ -10,9 +10,9 @@
 #   pdl   the decode path's kernels launch with programmatic dependent launch (prhs_kernels.pdl.PDL)
 #   pdl_F1_F2 PDL, only the families F1, F2, ... launched early (prhs_kernels.pdl.KERNELS names:
 #         gemm cis score sparse merge rows), e.g. pdl_cis_score_merge_rows
-#   noret diagnostic, not a setting: CIS's retrieval launches (block scores, top-k + compose) left
-#         out of every step, so a reuse step's median shows what their launches cost (retrieval
-#         steps then keep their anchors' selections: the mean is not a throughput figure)
+#   spN   the retrieval logits pass's persistent programs per multiprocessor
+#         (prhs_kernels.score.triton.TUNING["programs_per_sm"])
+#   bpN   the block-score pass's (prhs_kernels.cis.triton.TUNING["block_scores_programs_per_sm"])
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -53,8 +53,10 @@ s.TUNING['num_warps'] = ${knob#nw}" ;;
 import prhs_kernels.pdl as P; P.PDL['enabled'] = True" ;;
                 pdl_*) knobs="$knobs
 import prhs_kernels.pdl as P; P.PDL.update(enabled=True, kernels=frozenset('${knob#pdl_}'.split('_')))" ;;
-                noret) knobs="$knobs
-import prhs_selectors.cis as C; C.retrieval_block_scores = C.top_blocks_compose = lambda *a, **k: None" ;;
+                sp*) knobs="$knobs
+import prhs_kernels.score.triton as st; st.TUNING['programs_per_sm'] = ${knob#sp}" ;;
+                bp*) knobs="$knobs
+import prhs_kernels.cis.triton as ct; ct.TUNING['block_scores_programs_per_sm'] = ${knob#bp}" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs
