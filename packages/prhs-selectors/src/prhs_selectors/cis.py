@@ -67,9 +67,9 @@ from prhs_kernels.cis import (
     cis_rescore,
     held_local_indices,
     retrieval_block_scores,
+    retrieval_compose,
     retrieval_pool,
     top_blocks,
-    top_blocks_compose,
 )
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.graphs import run_if
@@ -682,8 +682,9 @@ class CIS(BaseSelector):
         (``rescore``), score the retrieving rows' blocks, take their top ``k/s`` (and the next
         ``R``), compose and update the anchors. With the anchors' unions (no ``rescore``, no
         random expansion) the decision's launch writes the reusing rows' selections itself
-        (:func:`prhs_kernels.cis.cis_decide_compose`) and the top-k's launch composes the
-        retrieving rows (:func:`prhs_kernels.cis.top_blocks_compose`). In a captured step the
+        (:func:`prhs_kernels.cis.cis_decide_compose`) and the retrieval scores, ranks and composes
+        the retrieving rows (:func:`prhs_kernels.cis.retrieval_compose`: by block mass on a
+        Triton path, two launches, the composition in the top-k's). In a captured step the
         retrieval's kernels (and then that composition) sit in a conditional node
         (:func:`prhs_kernels.graphs.run_if`) that a replay skips when no row retrieves
         (``state.retrieving``, set by the decision, cleared by the composition)."""
@@ -698,8 +699,8 @@ class CIS(BaseSelector):
             union = dict(anchor_union=pool["anchor_union"][:, layer],
                          anchor_union_cnt=pool["anchor_ucnt"][:, layer])  # fmt: skip
         # With the anchors' unions (and no random expansion) the decision's launch also writes
-        # every non-retrieving row's selection; the retrieving rows are composed in the top-k's
-        # launch (top_blocks_compose), inside the retrieval's conditional node.
+        # every non-retrieving row's selection; the retrieving rows are composed by the
+        # retrieval (retrieval_compose), inside the retrieval's conditional node.
         early = bool(union) and not random
         decide_args = (query, anchor["anchor_q"], anchor["anchor_len"])
         decide_kw = dict(
@@ -743,29 +744,30 @@ class CIS(BaseSelector):
         # Only the retrieving rows' entries of new_idx / new_scores are read (by cis_compose),
         # so a replay that skips these kernels when no row retrieves changes nothing.
         with run_if(state.retrieving):
-            scores = retrieval_block_scores(
-                query,
-                kv,
-                plan.scaling,
-                retrieve,
-                block_size=c.block_size,
-                n_sink=c.n_sink,
-                n_local=c.n_local,
-                score=c.block_score,
-                fill_idle=False,  # ranked below for the retrieving rows only
-                path=path,
-            )
+            if early:  # scored, ranked and composed, the retrieving rows only
+                retrieval_compose(
+                    query, kv, plan.scaling, m_width, retrieve, bad,
+                    *(anchor[n] for n in _ANCHOR_FIELDS), slots, score=c.block_score,
+                    out_indices=sel.indices, out_counts=sel.counts, **compose_kw,
+                )  # fmt: skip
+            else:
+                scores = retrieval_block_scores(
+                    query,
+                    kv,
+                    plan.scaling,
+                    retrieve,
+                    block_size=c.block_size,
+                    n_sink=c.n_sink,
+                    n_local=c.n_local,
+                    score=c.block_score,
+                    fill_idle=False,  # ranked below for the retrieving rows only
+                    path=path,
+                )
             if n_next:  # the retrieving rows' anchors also keep their next-best blocks
                 new_idx, new_scores = retrieval_pool(
                     scores, m_width, n_next, retrieve, anchor_next, slots, path=path
                 )
-            elif early:  # ranked and composed, the retrieving rows only, in one launch
-                top_blocks_compose(
-                    scores, m_width, query, retrieve, bad,
-                    *(anchor[n] for n in _ANCHOR_FIELDS), slots, kv.seq_lens,
-                    out_indices=sel.indices, out_counts=sel.counts, **compose_kw,
-                )  # fmt: skip
-            else:
+            elif not early:
                 new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         if random:  # compose without dilation, then add the random blocks
             n_extra = 2 * c.r * self.dilation_m()

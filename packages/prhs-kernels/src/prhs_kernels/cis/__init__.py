@@ -10,6 +10,9 @@
   that does not retrieve (from its anchor's union); ``cis_compose(..., retrieving_only=True)``
   then writes the retrieving rows after their retrieval (:func:`top_blocks_compose`: in the
   top-k's last launch);
+- :func:`retrieval_compose` -- :func:`retrieval_block_scores` then :func:`top_blocks_compose` in
+  one call: on a Triton path, by block mass, two launches (the logits pass writes block
+  log-sum-exps, the top-k scores its rows from them);
 - :func:`cis_compose` -- the selection (sink, the new or the anchor's list with its dilation,
   local; ascending and distinct) written into the plan's buffers, and the anchors of the rows
   that retrieve updated. With ``hold_local``, a reusing row's local window starts where its
@@ -62,6 +65,7 @@ __all__ = [
     "held_local_indices",
     "retrieval_block_scores",
     "retrieval_block_scores_reference",
+    "retrieval_compose",
     "retrieval_pool",
     "top_blocks",
     "top_blocks_compose",
@@ -462,6 +466,96 @@ def top_blocks_compose(
         retrieving_only=True, path=path,
     )  # fmt: skip
     return new_idx, new_scores
+
+
+def retrieval_compose(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    m_top: int,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    anchor_union: torch.Tensor,
+    anchor_union_cnt: torch.Tensor,
+    score: str = "mass",
+    hold_local: bool = False,
+    any_retrieve: torch.Tensor | None = None,
+    path: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole retrieval after :func:`cis_decide_compose`: the retrieving rows' block scores
+    (:func:`retrieval_block_scores`, ``fill_idle=False``), their top ``m_top`` blocks and their
+    composition (:func:`top_blocks_compose`, whose winners it returns); the sequence lengths are
+    ``kv.seq_lens``.
+
+    On a Triton path with ``score="mass"`` and a block size of at most 64 (a power of two), in
+    two launches instead of three: the logits pass writes each block's log-sum-exp instead of
+    its positions' logits, and the top-k's first pass scores each retrieving row from them in
+    the program that then ranks it (``mean_i exp(block_lse_i - lse_i)``: the block-score pass's
+    mass, to float32 rounding). A step where no row retrieves then launches two kernels that
+    find nothing to do, and the ``T``-long logits never reach memory. Otherwise it is those two
+    calls."""
+    b = query.shape[0]
+    check_query(query, kv)
+    h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
+    check_bool_mask("retrieve", retrieve, (b, h))
+    check_bool_mask("bad", bad, (b, h))
+    check_int("block_size", block_size, minimum=1)
+    check_block_score(score)
+    nb = -(-kv.max_len // block_size)
+    k = min(m_top, nb)
+    fused = False
+    if path.startswith("triton") and score == "mass" and k >= 1:
+        from prhs_kernels.cis.triton import top_blocks_fits
+        from prhs_kernels.score.triton import block_lse_fits
+
+        fused = block_lse_fits(block_size) and top_blocks_fits(nb, k)
+    if not fused:
+        scores = retrieval_block_scores(
+            query, kv, scaling, retrieve, block_size=block_size, n_sink=n_sink,
+            n_local=n_local, score=score, fill_idle=False, path=path,
+        )  # fmt: skip
+        return top_blocks_compose(
+            scores, m_top, query, retrieve, bad, anchor_q, anchor_len, anchor_idx, anchor_cnt,
+            anchor_log_delta, slots, kv.seq_lens, n_sink=n_sink, n_local=n_local,
+            block_size=block_size, m=m, r=r, out_indices=out_indices, out_counts=out_counts,
+            anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt,
+            hold_local=hold_local, any_retrieve=any_retrieve, path=path,
+        )  # fmt: skip
+    if m_top > anchor_idx.shape[-1]:
+        raise ValueError(
+            f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
+        )
+    ws, wl = _check_selection_args(
+        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
+        out_indices, out_counts, anchor_union, anchor_union_cnt,
+        needs_union="retrieval_compose composes the retrieving rows only",
+    )  # fmt: skip
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
+    from prhs_kernels.cis.triton import retrieval_compose_triton
+
+    announce("retrieval_compose", path, query.device)
+    return retrieval_compose_triton(
+        query, kv, scaling, k, retrieve, anchor_q, anchor_len, anchor_idx, anchor_cnt,
+        anchor_log_delta, anchor_union, anchor_union_cnt, slots, kv.seq_lens,
+        block_size=block_size, n_sink=n_sink, n_local=n_local, m=m, r=r,
+        out_indices=out_indices, out_counts=out_counts, windows=(ws, wl),
+        hold_local=hold_local, any_retrieve=any_retrieve,
+    )  # fmt: skip
 
 
 def _check_selection_args(

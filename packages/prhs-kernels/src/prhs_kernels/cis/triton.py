@@ -47,6 +47,7 @@ __all__ = [
     "rescore_splits",
     "rescore_write_triton",
     "retrieval_block_scores_triton",
+    "retrieval_compose_triton",
     "retrieval_pool_triton",
     "top_blocks_compose_triton",
     "top_blocks_fits",
@@ -677,6 +678,65 @@ def _prefix_count(flags, BLOCK: tl.constexpr, SEG: tl.constexpr):
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _score_chunk(
+    row,
+    lo_pos,
+    n_here,
+    SCORES,
+    stride_row,
+    BLSE,
+    SM,
+    SL,
+    LENS,
+    stride_lse,
+    n_spans,
+    n_sink,
+    n_local,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    G_POW: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Score blocks ``lo_pos .. lo_pos + n_here - 1`` of row ``row`` by their attention mass
+    from the logits pass's block log-sum-exps (``BLSE``, a row per query head) and span
+    statistics (``SM`` / ``SL``): ``mean_i exp(block_lse_i - lse_i)``, ``-inf`` for blocks past
+    the sequence or holding a sink or local position (as ``_block_scores_kernel`` scores with
+    ``MASS``), written into the row's ``SCORES`` for the top-k that follows in this program."""
+    b = row // HKV
+    seq = tl.load(LENS + b)
+    nb_seq = (seq + BS - 1) // BS
+    sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
+    local_first = tl.maximum(seq - n_local, 0) // BS
+    if n_local == 0:
+        local_first = nb_seq
+    offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_spans
+    stat = (row.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
+    m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))
+    l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    lse = m_safe + tl.log(tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0))  # [G_POW]
+    offs = tl.arange(0, BLOCK)
+    j = lo_pos + offs
+    ok = offs < n_here
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(G):
+        lse_i = tl.sum(tl.where(offs_g == i, lse, 0.0), 0)
+        x = tl.load(BLSE + (row.to(tl.int64) * G + i) * stride_lse + j, mask=ok,
+                    other=float("-inf"))  # fmt: skip
+        acc += tl.exp(x - lse_i)
+    eligible = (j < nb_seq) & (j >= sink_end) & (j < local_first)
+    out = SCORES + row.to(tl.int64) * stride_row + j
+    tl.store(out, tl.where(eligible, acc / G, float("-inf")), mask=ok)
+    tl.debug_barrier()  # the chunk is read back, by other threads of this program
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def _topk_program(
     row,
     c,
@@ -811,12 +871,37 @@ def _topk_kernel(
     RADIX_BITS: tl.constexpr,
     RADIX: tl.constexpr,
     SEG: tl.constexpr,
+    BLSE,
+    SM,
+    SL,
+    LENS,
+    stride_lse,
+    n_spans,
+    s_sink,
+    s_local,
+    S_HKV: tl.constexpr,
+    S_G: tl.constexpr,
+    S_BLOCK_G: tl.constexpr,
+    S_G_POW: tl.constexpr,
+    S_BLOCK_S: tl.constexpr,
+    S_BS: tl.constexpr,
+    FROM_LSE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # FROM_LSE (a first pass): each program first scores its chunk (_score_chunk) from the
+    # logits pass's block log-sum-exps, so no block-score launch runs.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if FROM_LSE:
+        if tl.load(ACTIVE + row) != 0:
+            lo_pos = c * chunk
+            _score_chunk(row, lo_pos, tl.minimum(chunk, n - lo_pos), SCORES, stride_row, BLSE,
+                         SM, SL, LENS, stride_lse, n_spans, s_sink, s_local, S_HKV, S_G,
+                         S_BLOCK_G, S_G_POW, S_BLOCK_S, S_BS, BLOCK)  # fmt: skip
     _topk_program(
-        tl.program_id(0),
-        tl.program_id(1),
+        row,
+        c,
         SCORES,
         IDX_IN,
         ACTIVE,
@@ -913,15 +998,30 @@ def _topk_compose_kernel(
     UNION: tl.constexpr,
     ONLY_RETRIEVING: tl.constexpr,
     HAS_ANY: tl.constexpr,
+    BLSE,
+    SM,
+    SL,
+    stride_lse,
+    n_spans,
+    S_BLOCK_G: tl.constexpr,
+    S_G_POW: tl.constexpr,
+    S_BLOCK_S: tl.constexpr,
+    FROM_LSE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # The last pass of the top-k (one program a row) and then, in the same program, the
     # composition of its row if it retrieves (cis_compose's retrieving_only): the winners are
-    # read back from OUT_IDX / OUT_VAL, where this program has just stored them.
+    # read back from OUT_IDX / OUT_VAL, where this program has just stored them. FROM_LSE (the
+    # only pass): the program first scores its row from the logits pass's block log-sum-exps.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     if HAS_ANY:  # the decision's "some row retrieves" flag is consumed: clear it for the next
         tl.store(ANY, tl.full((), 0, tl.int8), mask=row == 0)
+    if FROM_LSE:
+        if tl.load(ACTIVE + row) != 0:
+            _score_chunk(row, 0, n, SCORES, stride_row, BLSE, SM, SL, LENS, stride_lse, n_spans,
+                         n_sink, n_local, HKV, G, S_BLOCK_G, S_G_POW, S_BLOCK_S, BS,
+                         BLOCK)  # fmt: skip
     _topk_program(
         row,
         0,
@@ -1046,6 +1146,13 @@ def _topk_plan(n: int, k: int) -> list[tuple[int, int, int]] | None:
     return plan
 
 
+def _unread_lse(values: torch.Tensor) -> dict:
+    """The scoring arguments of a top-k pass that reads its scores (``FROM_LSE`` off: unread)."""
+    return dict(BLSE=values, SM=values, SL=values, LENS=values, stride_lse=0, n_spans=1,
+                s_sink=0, s_local=0, S_HKV=1, S_G=1, S_BLOCK_G=16, S_G_POW=2, S_BLOCK_S=2,
+                S_BS=1, FROM_LSE=False)  # fmt: skip
+
+
 def top_blocks_fits(n: int, k: int) -> bool:
     """Whether :func:`top_blocks_triton` ranks rows of ``n`` scores for ``k`` winners."""
     return _topk_plan(n, min(k, n)) is not None
@@ -1058,13 +1165,16 @@ def top_blocks_triton(
     *,
     sort: bool = True,
     compose: dict | None = None,
+    lse: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
     (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
     chunk's missing entries last); inactive rows get ``-1`` / ``-inf``. One launch for rows of
     up to ``TOPK_ONE_PASS`` scores, two or more above. ``compose`` (``_compose_row``'s
     arguments by name, ``ANY`` and ``HAS_ANY``; ``sort`` on): the last pass also composes each
-    active row (``cis_compose``'s ``retrieving_only``) in the program that ranked it."""
+    active row (``cis_compose``'s ``retrieving_only``) in the program that ranked it. ``lse``
+    (:func:`_score_chunk`'s arguments by the ``_topk_kernel``'s names): ``scores`` is only
+    written, each first-pass program scoring its active row's chunk there before ranking it."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -1100,9 +1210,14 @@ def top_blocks_triton(
         out_val = val if last else torch.empty(rows, chunks * k, dtype=torch.float32, device=dev)
         scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
         block = _pow2(chunk, 16)
-        kernel, extra = topk, {}
+        score = _unread_lse(values) if lse is None or has_ids else {**lse, "FROM_LSE": True}
+        kernel, extra = topk, score
         if last and compose is not None:
-            kernel, extra = _topk_compose_jit(interpreting()), compose
+            # The composition's own arguments name the row's sequence lengths, windows and
+            # group (LENS, n_sink, n_local, HKV, G, BS): the scoring takes those.
+            shared = ("LENS", "s_sink", "s_local", "S_HKV", "S_G", "S_BS")
+            score = {n: v for n, v in score.items() if n not in shared}
+            kernel, extra = _topk_compose_jit(interpreting()), {**compose, **score}
         kernel[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
@@ -1396,8 +1511,10 @@ def top_blocks_compose_triton(
     windows: tuple[int, int],
     hold_local: bool,
     any_retrieve: torch.Tensor | None,
+    lse: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_blocks_triton` whose last pass also composes each retrieving row."""
+    """:func:`top_blocks_triton` whose last pass also composes each retrieving row (``lse``:
+    as :func:`top_blocks_triton`'s)."""
     args, _ = _compose_row_args(
         query, anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta, anchor_union,
         anchor_union_cnt, slots, seq_lens, n_sink=n_sink, n_local=n_local,
@@ -1406,7 +1523,44 @@ def top_blocks_compose_triton(
     )  # fmt: skip
     flag = any_retrieve.view(torch.int8) if any_retrieve is not None else args["SEL_SCRATCH"]
     args.update(ANY=flag, HAS_ANY=any_retrieve is not None)
-    return top_blocks_triton(scores, k, retrieve, compose=args)
+    return top_blocks_triton(scores, k, retrieve, compose=args, lse=lse)
+
+
+def retrieval_compose_triton(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    k: int,
+    retrieve: torch.Tensor,
+    *compose_args: torch.Tensor,
+    block_size: int,
+    n_sink: int,
+    n_local: int,
+    **compose_kw: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrieval by block mass in two launches: the logits pass writing each block's
+    log-sum-exp (:func:`prhs_kernels.score.triton.retrieval_block_lse_triton`), then the top-k
+    whose first pass scores its retrieving rows from them and whose last composes them
+    (``compose_args`` / ``compose_kw``: :func:`top_blocks_compose_triton`'s after ``query``).
+    The block scores are the block-score pass's with ``MASS`` (to rounding) and are written
+    only inside the top-k's programs, for the rows that retrieve."""
+    b, hq, _ = query.shape
+    h = kv.num_kv_heads
+    g = hq // h
+    blse, sm, sl, n_spans, block_g = score_triton.retrieval_block_lse_triton(
+        query, kv, scaling, retrieve, block_size
+    )
+    nb = -(-kv.max_len // block_size)
+    nb_pad = -(-nb // 16) * 16  # as retrieval_block_scores_triton's rows
+    scores = torch.empty(b, h, nb_pad, dtype=torch.float32, device=query.device)[..., :nb]
+    lse = dict(BLSE=blse, SM=sm, SL=sl, LENS=kv.seq_lens, stride_lse=blse.stride(0),
+               n_spans=n_spans, s_sink=n_sink, s_local=n_local, S_HKV=h, S_G=g,
+               S_BLOCK_G=block_g, S_G_POW=_pow2(g, 2), S_BLOCK_S=_pow2(n_spans, 2),
+               S_BS=block_size)  # fmt: skip
+    return top_blocks_compose_triton(
+        scores, k, retrieve, query, *compose_args, n_sink=n_sink, n_local=n_local,
+        block_size=block_size, **compose_kw, lse=lse,
+    )  # fmt: skip
 
 
 # --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------

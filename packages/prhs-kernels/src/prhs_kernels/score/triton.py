@@ -31,7 +31,13 @@ from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 
-__all__ = ["TUNING", "retrieval_logits_triton", "retrieval_probs_triton"]
+__all__ = [
+    "TUNING",
+    "block_lse_fits",
+    "retrieval_block_lse_triton",
+    "retrieval_logits_triton",
+    "retrieval_probs_triton",
+]
 
 TUNING = {"span": 512, "block_t": 64, "programs_per_sm": 8, "num_warps": 4, "num_stages": 3}
 """Launch parameters of the logits pass: positions per work item (a multiple of ``block_t``),
@@ -59,6 +65,7 @@ def _logits_kernel(
     stride_kh,
     stride_kt,
     stride_rt,
+    stride_out,
     scaling,
     t_max,
     n_rows,
@@ -77,11 +84,14 @@ def _logits_kernel(
     UPCAST: tl.constexpr,
     Q_LABELS: tl.constexpr,
     K_LABELS: tl.constexpr,
+    LSE_BS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
     # rows itself (a prefix sum of the flags), so no program is spent on a row that does not
-    # retrieve and no launch is spent listing them.
+    # retrieve and no launch is spent listing them. LSE_BS > 0: instead of the logits, each
+    # block of LSE_BS positions' log-sum-exp of them (LOGITS then [rows * G, stride_out], a
+    # block's column its id), what a block's attention mass needs once the row's lse is known.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     if HAS_ACTIVE:
         offs_r = tl.arange(0, BLOCK_R)
@@ -148,8 +158,19 @@ def _logits_kernel(
             else:
                 qk = tl.dot(q, tl.trans(k))
             qk = tl.where(ok[None, :], qk * scaling, float("-inf"))
-            out_ptr = LOGITS + row[:, None] * t_max + pos64[None, :]
-            tl.store(out_ptr, qk, mask=g_ok[:, None] & in_range[None, :])
+            if LSE_BS > 0:
+                # Spans and tiles start on block boundaries (LSE_BS divides BLOCK_T).
+                per: tl.constexpr = BLOCK_T // LSE_BS
+                blk = tl.reshape(qk, (BLOCK_G, per, LSE_BS))
+                b_max = tl.max(blk, 2)
+                b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+                b_lse = b_safe + tl.log(tl.sum(tl.exp(blk - b_safe[:, :, None]), 2))
+                j = t0 // LSE_BS + tl.arange(0, per)
+                out_ptr = LOGITS + row[:, None] * stride_out + j[None, :]
+                tl.store(out_ptr, b_lse, mask=g_ok[:, None] & (j * LSE_BS < hi)[None, :])
+            else:
+                out_ptr = LOGITS + row[:, None] * stride_out + pos64[None, :]
+                tl.store(out_ptr, qk, mask=g_ok[:, None] & in_range[None, :])
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qk - m_safe[:, None]), 1)
@@ -241,6 +262,43 @@ def retrieval_logits_triton(
     of each key. ``key_cache = (cache [R, Hkv, r], row_stride)``: read the keys' label channels
     from ``cache`` (row ``b * row_stride + t`` of a contiguous cache, the token's slot of a
     paged one) instead of the key rows; needs ``labels``."""
+    return _logits_pass(query, kv, scaling, active, labels, key_cache, 0)
+
+
+def retrieval_block_lse_triton(
+    query: torch.Tensor, kv: KVLayout, scaling: float, active: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The first pass writing, instead of the logits, each block's log-sum-exp of them:
+    ``(block lse [B * Hkv * g, NB_pad] (columns past NB unwritten, NB_pad a multiple of 16),
+    span max, span sum, spans, BLOCK_G)``; rows not ``active`` are left unwritten. A block's
+    attention mass for query head ``i`` is then ``exp(block_lse - lse_i)``, ``lse_i`` merged
+    from the span statistics: what :func:`prhs_kernels.cis.retrieval_compose`'s top-k scores
+    from, without the ``T``-long logits ever reaching memory. ``block_size`` must be a power of
+    two of at most ``TUNING["block_t"]`` (:func:`block_lse_fits`)."""
+    if not block_lse_fits(block_size):
+        raise ValueError(
+            f"block_size must be a power of two of at most {TUNING['block_t']}, got {block_size}"
+        )
+    out, sm, sl, n_spans, block_g, _ = _logits_pass(query, kv, scaling, active, None, None,
+                                                    block_size)  # fmt: skip
+    return out, sm, sl, n_spans, block_g
+
+
+def block_lse_fits(block_size: int) -> bool:
+    """Whether :func:`retrieval_block_lse_triton` takes blocks of ``block_size`` positions: a
+    power of two that divides a tile (``TUNING["block_t"]``, which divides a span)."""
+    return 1 <= block_size <= TUNING["block_t"] and not block_size & (block_size - 1)
+
+
+def _logits_pass(
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    key_cache: tuple[torch.Tensor, int] | None,
+    lse_bs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     b, hq, d = query.shape
     hkv = kv.num_kv_heads
     g = hq // hkv
@@ -251,7 +309,11 @@ def retrieval_logits_triton(
     span, block_t = TUNING["span"], TUNING["block_t"]
     n_spans = max(1, -(-t_max // span))
     block_g = max(16, triton.next_power_of_2(g))
-    logits = torch.empty(b * hkv * g, max(t_max, 1), dtype=torch.float32, device=dev)
+    if lse_bs:  # a row per query head, a column per block (a multiple of 16: aligned rows)
+        cols = -(-max(-(-t_max // lse_bs), 1) // 16) * 16
+    else:
+        cols = max(t_max, 1)
+    logits = torch.empty(b * hkv * g, cols, dtype=torch.float32, device=dev)
     sm = torch.empty(b * hkv, n_spans, block_g, dtype=torch.float32, device=dev)
     sl = torch.empty_like(sm)
     has_active = active is not None
@@ -277,13 +339,14 @@ def retrieval_logits_triton(
     programs = min(b * hkv * n_spans, TUNING["programs_per_sm"] * _multiprocessors(dev))
     logits_kernel[(programs,)](
         query, k, flags, kv.seq_lens, start, req2tok, reqidx, logits, sm, sl, lab, slb, slh,
-        query.stride(0), query.stride(1), skb, skh, skt, stride_rt,
+        query.stride(0), query.stride(1), skb, skh, skt, stride_rt, cols,
         float(scaling), t_max, b * hkv, n_spans,
         HKV=hkv, G=g, BLOCK_G=block_g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
-        **pdl_args(dev, "score"), num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+        LSE_BS=lse_bs, **pdl_args(dev, "score"), num_warps=TUNING["num_warps"],
+        num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
 
