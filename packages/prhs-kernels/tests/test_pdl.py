@@ -85,6 +85,7 @@ def _decode_launches():
         cis_decide_compose,
         cis_local_width,
         retrieval_block_scores,
+        retrieval_compose,
         top_blocks_compose,
     )
     from prhs_kernels.compose import window_widths
@@ -124,6 +125,10 @@ def _decode_launches():
         n_local=32, block_size=s, m=m, r=r, hold_local=True, any_retrieve=flag, path="triton",
         **union, **out,
     )  # fmt: skip
+    retrieval_compose(
+        q, kv, 0.1, mm, retrieve, bad, *state, slots, n_sink=4, n_local=32, block_size=s, m=m,
+        r=r, hold_local=True, any_retrieve=flag, path="triton", **union, **out,
+    )  # fmt: skip
     del scores
 
 
@@ -142,9 +147,11 @@ def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(
     seen = set()
     for fn, args, kw in launches:
         assert kw.get("PDL") is True and kw.get("launch_pdl") is True, fn.fn.__name__
-        if fn.fn.__name__ in seen:
+        # Each kernel once per variant (the retrieval's block log-sum-exp / scoring ones too).
+        key = (fn.fn.__name__, kw.get("LSE_BS"), kw.get("FROM_LSE"))
+        if key in seen:
             continue
-        seen.add(fn.fn.__name__)
+        seen.add(key)
         ptx = hopper_compile(fn, args, kw)
         # The wait comes first: nothing is loaded before it.
         wait = ptx.index("griddepcontrol.wait")

@@ -17,6 +17,7 @@ from prhs_kernels.cis import (
     cis_local_width,
     cis_path,
     retrieval_block_scores,
+    retrieval_compose,
     top_blocks,
     top_blocks_compose,
 )
@@ -519,6 +520,75 @@ def test_top_blocks_compose_ranks_and_composes_the_retrieving_rows(
     assert not (gc == 12345).any()
     for i, (a, b) in enumerate(zip(gs, ws_, strict=True)):
         assert torch.equal(a, b), i
+    assert not gf.item() and not wf.item()
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize(
+    ("g", "s", "layout", "hold", "m_blocks", "m", "r"),
+    [(4, 8, "contig", True, 12, 4, 1), (1, 1, "paged16", False, 10, 3, 2),
+     (2, 4, "contig0", True, 9, 9, 1), (8, 16, "paged1", False, 6, 2, 1)],
+)  # fmt: skip
+def test_retrieval_compose_matches_the_torch_path(
+    monkeypatch, make_kv, g, s, layout, hold, m_blocks, m, r, passes
+):
+    """The retrieval by block mass in two launches (block log-sum-exps, then the top-k scoring
+    its rows from them and composing) against the torch path's block scores, top-k and
+    composition: the same winners (their scores to float32 rounding), selections, counts,
+    anchors, unions, and the flag cleared; in one top-k pass and, with the thresholds made
+    small, in several (the first scoring its chunks)."""
+    if passes == 3:
+        monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", 16)
+        monkeypatch.setattr(cis_triton, "TOPK_CHUNK", 16)
+        monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 512)
+    lens = [1100, 77, 300, 5 * s + 3]
+    h, d, n_sink, n_local = 2, 16, 4, 24
+    data = make_kv(lens, h, d, dtype=torch.bfloat16, seed=g * s)
+    kv = data[layout]
+    gen = torch.Generator().manual_seed(g + s)
+    b = len(lens)
+    query = torch.randn(b, h * g, d, generator=gen).bfloat16()
+    n = b + 2
+    aq, alen, aidx, acnt, alogd = _anchors(n, h, g, d, m_blocks, gen)
+    slots = torch.tensor([5, 0, 3, 1])
+    seq = torch.tensor(lens, dtype=torch.int32).view(-1, 1)
+    # Fresh anchors (reused), old ones (retrieve); one row of each kind per sequence at least.
+    fresh = torch.rand(b, h, generator=gen) < 0.5
+    fresh[:, 0], fresh[:, 1] = True, False
+    fresh[0] = torch.tensor([False, False])
+    alen[slots] = torch.where(fresh, seq - 2, (seq - n_local - 5).clamp_min(0)).to(torch.int32)
+    union, u_cnt = anchor_union_reference(aidx, acnt, m, r)
+    state = (aq, alen, aidx, acnt, alogd, union, u_cnt)
+    ws, _ = window_widths(n_sink, n_local, s)
+    width = ws + m_blocks + 2 * r * m + cis_local_width(n_local, s, hold)
+    kw = dict(n_sink=n_sink, n_local=n_local, block_size=s, m=m, r=r, hold_local=hold)
+    if passes == 3:
+        plan = cis_triton._topk_plan(-(-kv.max_len // s), m_blocks)
+        assert plan is not None and len(plan) >= 2, plan
+    runs = []
+    for path in ("torch", PATH):
+        st = [t.clone() for t in state]
+        out_idx = torch.full((b, h, width), 12345, dtype=torch.int32)
+        out_cnt = torch.full((b, h), 12345, dtype=torch.int32)
+        flag = torch.zeros(1, dtype=torch.bool)
+        rb = cis_decide_compose(
+            query, st[0], st[1], st[2], st[3], st[5], st[6], slots, kv.seq_lens, tau=-1.0,
+            **kw, out_indices=out_idx, out_counts=out_cnt, any_retrieve=flag, path=path,
+        )  # fmt: skip
+        top = retrieval_compose(
+            query, kv, 0.3, m_blocks, *rb, *st[:5], slots, **kw, out_indices=out_idx,
+            out_counts=out_cnt, anchor_union=st[5], anchor_union_cnt=st[6],
+            any_retrieve=flag, path=path,
+        )  # fmt: skip
+        runs.append((rb[0], top, out_idx, out_cnt, st, flag))
+    (wr, (wi, wv), wo, wc, ws_, wf), (gr, (gi, gv), go, gc, gs, gf) = runs
+    assert torch.equal(gr, wr) and gr.any() and (~gr).any()
+    assert torch.equal(gi[gr], wi[gr])
+    assert torch.equal(torch.isneginf(gv[gr]), torch.isneginf(wv[gr]))
+    torch.testing.assert_close(gv[gr], wv[gr], rtol=1e-5, atol=1e-9)
+    assert torch.equal(go, wo) and torch.equal(gc, wc) and not (gc == 12345).any()
+    for i, (a, b_) in enumerate(zip(gs, ws_, strict=True)):
+        assert torch.equal(a, b_), i
     assert not gf.item() and not wf.item()
 
 

@@ -306,6 +306,45 @@ def test_retrieval_merges_spans(monkeypatch, make_kv):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("s", [1, 8, 64])
+def test_block_lse_pass_writes_each_blocks_log_sum_exp(make_kv, s):
+    """The logits pass's block mode: each block's log-sum-exp of the logits the plain pass
+    writes (positions past a sequence count as -inf: a block wholly past it is -inf), the same
+    span statistics; over spans, partial last blocks and every layout."""
+    from prhs_kernels.score import triton as score_triton
+
+    lens = [score_triton.TUNING["span"] * 2 + 37, 700, 5]
+    data = make_kv(lens, 2, 16, dtype=torch.bfloat16, seed=s)
+    q = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(s)).bfloat16()
+    active = torch.tensor([[True, False], [True, True], [False, True]])
+    rows = active.repeat_interleave(4, dim=1).reshape(-1)  # the query heads' rows
+    for name, kv in data.layouts.items():
+        logits, sm, sl, n_spans, _, _ = score_triton.retrieval_logits_triton(q, kv, 0.25, active)
+        blse, bsm, bsl, b_spans, _ = score_triton.retrieval_block_lse_triton(q, kv, 0.25, active, s)
+        nb = -(-kv.max_len // s)
+        assert blse.shape[1] % 16 == 0 and blse.shape[1] >= nb and b_spans == n_spans
+        pad = nb * s - kv.max_len
+        want = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+        want = torch.logsumexp(want.view(-1, nb, s), -1)
+        got = blse[:, :nb]
+        assert torch.equal(torch.isneginf(got[rows]), torch.isneginf(want[rows])), name
+        torch.testing.assert_close(got[rows], want[rows], rtol=1e-6, atol=1e-5)
+        act = active.reshape(-1)
+        assert torch.equal(bsm[act], sm[act]) and torch.equal(bsl[act], sl[act]), name
+
+
+def test_block_lse_pass_takes_tile_dividing_powers_of_two(make_kv):
+    from prhs_kernels.score import triton as score_triton
+
+    kv = make_kv([10], 2, 16, dtype=torch.bfloat16)["contig"]
+    q = torch.randn(1, 4, 16).bfloat16()
+    active = torch.ones(1, 2, dtype=torch.bool)
+    for s in (3, 128, 0):
+        assert not score_triton.block_lse_fits(s)
+        with pytest.raises(ValueError, match="block_size must be a power of two of at most 64"):
+            score_triton.retrieval_block_lse_triton(q, kv, 0.25, active, s)
+
+
 def test_retrieval_reads_no_key_of_an_inactive_row(make_kv):
     """NaN keys in a row that does not retrieve do not reach its (zero) output, nor others'."""
     keys = torch.randn(2, 2, 20, 16)

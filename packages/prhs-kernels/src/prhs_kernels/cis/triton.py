@@ -11,7 +11,10 @@
   hold a sink or local position, and over the rows that do not retrieve (what top-k may not
   pick).
 - ``_topk_kernel``: the top ``k`` blocks of each retrieving row, in one pass for rows of up to
-  8192 blocks, in two above (each chunk's winners, then theirs).
+  8192 blocks, in two above (each chunk's winners, then theirs). With ``FROM_LSE`` its first
+  pass scores its chunk first (``_score_chunk``: each block's mass from the logits pass's block
+  log-sum-exps), which stands in for ``_block_scores_kernel`` (``retrieval_compose_triton``);
+  ``_topk_compose_kernel`` is its last pass composing the row it ranked.
 - ``_compose_kernel``, one program per (sequence, KV head): the row's candidate list (sink,
   the new or the anchor's list with its dilation, local), sorted, made distinct and written as
   the selection; a retrieving row also becomes the anchor (and, with the union fields, stores

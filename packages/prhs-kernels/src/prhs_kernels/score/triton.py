@@ -14,6 +14,11 @@ Two launches (rows are cut into spans of ``TUNING["span"]`` positions):
    head's log-sum-exp and writes ``mean_g exp(logit - lse_g)`` for its span; inactive rows get
    0.
 
+In block mode (``retrieval_block_lse_triton``, CIS's retrieval by block mass) the first pass
+writes, instead of each position's logits, each block's log-sum-exp of them (``LSE_BS``
+positions a block): a block's attention mass is then ``exp(block_lse - lse)`` per query head,
+and the ``T``-long logits never reach memory.
+
 So the keys are read only for the rows that retrieve (one retrieving head does not make the batch
 score the whole cache), with no host read of the flags.
 """
