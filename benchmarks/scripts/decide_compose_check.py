@@ -23,7 +23,7 @@ from prhs_kernels.cis import (
     top_blocks_compose,
 )
 from prhs_kernels.compose import window_widths
-from prhs_kernels.timing import median_ms
+from prhs_kernels.timing import graph_ms
 
 BURST = 16  # reuse steps a graph replays (each over its own layer's state)
 
@@ -109,17 +109,7 @@ def step(c, mode, path):
 
 def graph_us(fns):
     """Median µs of one call of ``fns`` (a burst replayed from one CUDA graph), per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return median_ms(graph.replay, warmup_ms=20, rep_ms=100) * 1e3 / len(fns)
+    return graph_ms(fns) * 1e3 / len(fns)
 
 
 def main() -> None:

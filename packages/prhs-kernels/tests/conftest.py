@@ -261,6 +261,21 @@ def hopper_compile():
     return compile_for_hopper
 
 
+@pytest.fixture
+def catch_launches(monkeypatch):
+    """Every Triton launch from then on recorded as ``(kernel, args, kwargs)`` instead of run
+    (``JITFunction.run`` patched): a list the test reads."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    return launches
+
+
 # ``interpreted/`` needs Triton imported under TRITON_INTERPRET=1: ``test_triton.py`` runs it in a
 # pytest process of its own, so a run without that variable leaves it out.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]

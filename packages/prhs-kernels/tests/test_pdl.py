@@ -64,19 +64,6 @@ def test_pdl_needs_a_hopper_gpu(monkeypatch):
         assert pdl.pdl_supported("cuda:0") is want
 
 
-def _catch_launches(monkeypatch):
-    """Every Triton launch from now on recorded as ``(kernel, args, kwargs)`` instead of run."""
-    from triton.runtime.jit import JITFunction
-
-    launches = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
-
-    monkeypatch.setattr(JITFunction, "run", run)
-    return launches
-
-
 def _decode_launches():
     """One call of each decode-path launcher, on CPU tensors (caught, never run)."""
     from prhs_core.layout import ContiguousKV
@@ -133,12 +120,12 @@ def _decode_launches():
 
 
 def test_every_decode_kernel_launches_with_pdl_and_compiles_for_a_hopper_gpu(
-    monkeypatch, hopper_compile
+    monkeypatch, hopper_compile, catch_launches
 ):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.PDL, "enabled", True)
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
-    launches = _catch_launches(monkeypatch)
+    launches = catch_launches
     _decode_launches()
     names = {fn.fn.__name__ for fn, _, _ in launches}
     want = {"_split_kernel", "_decode_linear_kernel", "_row_bounds_kernel", "_decide_kernel",
@@ -167,12 +154,12 @@ def _family(fn) -> str:
     return {"gemm": "gemm", "cis": "cis", "score": "score", "kv": "rows"}[module]
 
 
-def test_pdl_scoped_to_families_launches_only_those_early(monkeypatch):
+def test_pdl_scoped_to_families_launches_only_those_early(monkeypatch, catch_launches):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.PDL, "enabled", True)
     monkeypatch.setitem(pdl.PDL, "kernels", frozenset({"cis", "rows"}))
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
-    launches = _catch_launches(monkeypatch)
+    launches = catch_launches
     _decode_launches()
     families = {_family(fn) for fn, _, _ in launches}
     assert {"cis", "rows", "sparse", "gemm", "score"} <= families, families
@@ -181,10 +168,12 @@ def test_pdl_scoped_to_families_launches_only_those_early(monkeypatch):
         assert kw.get("launch_pdl", False) is (_family(fn) in {"cis", "rows"}), fn.fn.__name__
 
 
-def test_without_pdl_the_kernels_hold_no_grid_dependency_control(monkeypatch, hopper_compile):
+def test_without_pdl_the_kernels_hold_no_grid_dependency_control(
+    monkeypatch, hopper_compile, catch_launches
+):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.PDL, "enabled", False)
-    launches = _catch_launches(monkeypatch)
+    launches = catch_launches
     _decode_launches()
     for _, _, kw in launches:
         assert kw.get("PDL") is False and "launch_pdl" not in kw

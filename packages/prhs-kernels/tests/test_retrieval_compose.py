@@ -20,19 +20,6 @@ from prhs_kernels.compose import window_widths
 triton = pytest.importorskip("triton")
 
 
-def _catch_launches(monkeypatch):
-    """Every Triton launch from now on recorded as ``(kernel, args, kwargs)`` instead of run."""
-    from triton.runtime.jit import JITFunction
-
-    launches = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
-
-    monkeypatch.setattr(JITFunction, "run", run)
-    return launches
-
-
 def _case(t=512, s=8, mm=16, m=4, r=1, b=2, h=2, g=4, d=64):
     k = torch.zeros(b, h, t, d, dtype=torch.bfloat16)
     kv = ContiguousKV(k=k, v=k, seq_lens=torch.full((b,), t, dtype=torch.int32))
@@ -75,8 +62,8 @@ def _names(launches):
     return out
 
 
-def test_by_mass_the_retrieval_is_two_launches(monkeypatch):
-    launches = _catch_launches(monkeypatch)
+def test_by_mass_the_retrieval_is_two_launches(monkeypatch, catch_launches):
+    launches = catch_launches
     _call(_case())
     # The logits pass writing block log-sum-exps, then the top-k scoring from them (and
     # composing): no block-score launch.
@@ -86,23 +73,23 @@ def test_by_mass_the_retrieval_is_two_launches(monkeypatch):
 @pytest.mark.parametrize(
     ("case", "score"), [(dict(), "max"), (dict(s=128, t=4096), "mass")]
 )  # fmt: skip
-def test_otherwise_it_is_the_three_launches(monkeypatch, case, score):
+def test_otherwise_it_is_the_three_launches(monkeypatch, case, score, catch_launches):
     """By largest probability (not a sum over the block), or blocks wider than a tile of the
     logits pass: the logits, the block scores, the top-k that reads them."""
-    launches = _catch_launches(monkeypatch)
+    launches = catch_launches
     _call(_case(**case), score=score)
     assert _names(launches) == [
         ("_logits_kernel", 0), ("_block_scores_kernel", None), ("_topk_compose_kernel", False)
     ]  # fmt: skip
 
 
-def test_in_several_passes_the_first_scores_its_chunks(monkeypatch):
+def test_in_several_passes_the_first_scores_its_chunks(monkeypatch, catch_launches):
     import prhs_kernels.cis.triton as ct
 
     monkeypatch.setattr(ct, "TOPK_ONE_PASS", 64)
     monkeypatch.setattr(ct, "TOPK_CHUNK", 64)
     monkeypatch.setattr(ct, "TOPK_MAX_N", 512)
-    launches = _catch_launches(monkeypatch)
+    launches = catch_launches
     _call(_case(t=8 * 400, mm=16))  # 400 blocks: chunks of 64, then their winners
     names = _names(launches)
     assert names[0] == ("_logits_kernel", 8) and names[1] == ("_topk_kernel", True)
@@ -111,8 +98,10 @@ def test_in_several_passes_the_first_scores_its_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize(("g", "s", "t"), [(4, 8, 4096), (1, 1, 1024), (8, 64, 8192)])
-def test_the_two_launches_compile_for_a_hopper_gpu(monkeypatch, hopper_compile, g, s, t):
-    launches = _catch_launches(monkeypatch)
+def test_the_two_launches_compile_for_a_hopper_gpu(
+    monkeypatch, hopper_compile, g, s, t, catch_launches
+):
+    launches = catch_launches
     _call(_case(t=t, s=s, g=g, d=128, mm=max(8, 1024 // s // 2)))
     assert len(launches) == 2
     for fn, args, kw in launches:
@@ -120,8 +109,8 @@ def test_the_two_launches_compile_for_a_hopper_gpu(monkeypatch, hopper_compile, 
         assert "ld.global" in hopper_compile(fn, args, kw), fn.fn.__name__
 
 
-def test_bad_input_is_refused_before_any_write(monkeypatch):
-    launches = _catch_launches(monkeypatch)
+def test_bad_input_is_refused_before_any_write(monkeypatch, catch_launches):
+    launches = catch_launches
     c = _case()
     before = [x.clone() for x in (*c["state"], *c["union"], *c["out"])]
     for change, match in [

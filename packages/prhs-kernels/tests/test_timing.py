@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prhs_kernels.timing import median_ms, window_ms
+from prhs_kernels.timing import graph_ms, median_ms, window_ms
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
@@ -52,3 +52,21 @@ def test_window_ms_counts_the_rare_expensive_call():
             window_ms(fn, bad)
     with pytest.raises(ValueError, match="warmup"):
         window_ms(fn, 4, warmup=-1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_graph_ms_refuses_without_cuda():
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        graph_ms([lambda: None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_ms_times_a_burst_of_copies():
+    x = torch.empty(1 << 22, device="cuda")
+    ys = [torch.empty_like(x) for _ in range(4)]
+    one = graph_ms([lambda: ys[0].copy_(x)], warmup_ms=5, rep_ms=20)
+    four = graph_ms([lambda y=y: y.copy_(x) for y in ys], warmup_ms=5, rep_ms=20)
+    assert 0 < one < four
+    with pytest.raises(ValueError, match="at least one function"):
+        graph_ms([])

@@ -1,17 +1,18 @@
 """GPU timing for benchmarks: Triton's ``do_bench`` median, behind one function, so packages
 that must not import Triton themselves (prhs-eval) time GPU code the way the kernels do; and a
-window of consecutive calls timed by CUDA events, for work whose calls differ by design."""
+window of consecutive calls timed by CUDA events, for work whose calls differ by design; and a
+burst of calls replayed from one CUDA graph, for launches whose own cost is what is measured."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Window", "median_ms", "window_ms"]
+__all__ = ["Window", "graph_ms", "median_ms", "window_ms"]
 
 
 def median_ms(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
@@ -65,3 +66,27 @@ def window_ms(fn: Callable[[], object], calls: int, *, warmup: int = 0) -> Windo
     per_call = tuple(a.elapsed_time(b) for a, b in itertools.pairwise(events))
     total = events[0].elapsed_time(events[-1])
     return Window(total / calls, float(statistics.median(per_call)), per_call)
+
+
+def graph_ms(
+    fns: Sequence[Callable[[], object]], *, warmup_ms: float = 20.0, rep_ms: float = 100.0
+) -> float:
+    """Median milliseconds of one call of each of ``fns``, back to back in one CUDA graph
+    (each called once eagerly on a side stream, then captured in order; :func:`median_ms` of
+    the replay): what launches cost with no host in between, as a decode step replays them.
+    Each function must be capturable (no host read, static shapes). CUDA only."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_ms times CUDA work: no CUDA device here")
+    if not fns:
+        raise ValueError("graph_ms needs at least one function to capture")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return median_ms(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms)

@@ -435,17 +435,11 @@ def top_blocks_compose(
     check_bool_mask("retrieve", retrieve, (b, h))
     check_bool_mask("bad", bad, (b, h))
     check_shape("scores", scores, (b, h, scores.shape[-1]), "[B, Hkv, NB]")
-    if m_top > anchor_idx.shape[-1]:
-        raise ValueError(
-            f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
-        )
-    ws, wl = _check_selection_args(
-        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
-        out_indices, out_counts, anchor_union, anchor_union_cnt,
-        needs_union="top_blocks_compose composes the retrieving rows only",
+    ws, wl = _check_retrieving_compose(
+        "top_blocks_compose", query, m_top, anchor_len, anchor_idx, n_sink, n_local,
+        block_size, m, r, hold_local, out_indices, out_counts, anchor_union, anchor_union_cnt,
+        any_retrieve,
     )  # fmt: skip
-    if any_retrieve is not None:
-        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
     k = min(m_top, scores.shape[-1])
     anchors = (anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta)
     kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r,
@@ -535,17 +529,11 @@ def retrieval_compose(
             anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt,
             hold_local=hold_local, any_retrieve=any_retrieve, path=path,
         )  # fmt: skip
-    if m_top > anchor_idx.shape[-1]:
-        raise ValueError(
-            f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
-        )
-    ws, wl = _check_selection_args(
-        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
-        out_indices, out_counts, anchor_union, anchor_union_cnt,
-        needs_union="retrieval_compose composes the retrieving rows only",
+    ws, wl = _check_retrieving_compose(
+        "retrieval_compose", query, m_top, anchor_len, anchor_idx, n_sink, n_local,
+        block_size, m, r, hold_local, out_indices, out_counts, anchor_union, anchor_union_cnt,
+        any_retrieve,
     )  # fmt: skip
-    if any_retrieve is not None:
-        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
     from prhs_kernels.cis.triton import retrieval_compose_triton
 
     announce("retrieval_compose", path, query.device)
@@ -556,6 +544,40 @@ def retrieval_compose(
         out_indices=out_indices, out_counts=out_counts, windows=(ws, wl),
         hold_local=hold_local, any_retrieve=any_retrieve,
     )  # fmt: skip
+
+
+def _check_retrieving_compose(
+    who: str,
+    query: torch.Tensor,
+    m_top: int,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    hold_local: bool,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    anchor_union: torch.Tensor | None,
+    anchor_union_cnt: torch.Tensor | None,
+    any_retrieve: torch.Tensor | None,
+) -> tuple[int, int]:
+    """The checks of an op that ranks ``m_top`` winners and composes the retrieving rows with
+    them (``who``: its name, for the messages); :func:`_check_selection_args`' ``(ws, wl)``."""
+    if m_top > anchor_idx.shape[-1]:
+        raise ValueError(
+            f"m_top ({m_top}) must not exceed the anchor list's width ({anchor_idx.shape[-1]})"
+        )
+    ws, wl = _check_selection_args(
+        query, anchor_len, anchor_idx, n_sink, n_local, block_size, m, r, hold_local,
+        out_indices, out_counts, anchor_union, anchor_union_cnt,
+        needs_union=f"{who} composes the retrieving rows only",
+    )  # fmt: skip
+    if any_retrieve is not None:
+        check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
+    return ws, wl
 
 
 def _check_selection_args(

@@ -228,6 +228,36 @@ def _decide_kernel(
                               WL, WIDTH, BLOCK_W)  # fmt: skip
 
 
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _row_windows(LENS, b, n_sink, n_local, BS: tl.constexpr):
+    """``(nb_seq, sink_end, local_first)`` of sequence ``b``, in blocks of ``BS``: its blocks,
+    the end of its sink range and the first block of its local window (``nb_seq`` without
+    one) -- a retrieval may pick blocks in ``[sink_end, local_first)``."""
+    seq = tl.load(LENS + b)
+    nb_seq = (seq + BS - 1) // BS
+    sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
+    local_first = tl.maximum(seq - n_local, 0) // BS
+    if n_local == 0:
+        local_first = nb_seq
+    return nb_seq, sink_end, local_first
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _row_lse(SM, SL, row, n_spans, BLOCK_G: tl.constexpr, G_POW: tl.constexpr,
+             BLOCK_S: tl.constexpr):  # fmt: skip
+    """Each query head's log-sum-exp over row ``row`` (``[G_POW]``), merged from the logits
+    pass's span statistics (``[rows, spans, BLOCK_G]`` max and sum)."""
+    offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_spans
+    stat = (row.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
+    m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))
+    l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    return m_safe + tl.log(tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0))
+
+
 def _block_scores_kernel(
     ACTIVE,
     LENS,
@@ -273,27 +303,14 @@ def _block_scores_kernel(
     n_work = work_a
     if FILL:
         n_work += (n_rows - n_act) * n_fills
-    offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
+    offs_g = tl.arange(0, G_POW)
     g_ok = offs_g < G
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_spans
     for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
         if w < work_a:
             pid = tl.sum(tl.where(flags & (rank_a == w // n_tiles), offs_r, 0), 0)
             tile = w % n_tiles
-            b = pid // HKV
-            seq = tl.load(LENS + b)
-            nb_seq = (seq + BS - 1) // BS
-            sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
-            local_first = tl.maximum(seq - n_local, 0) // BS
-            if n_local == 0:
-                local_first = nb_seq
-            stat = (pid.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
-            m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))
-            l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
-            m_max = tl.max(m, 0)
-            m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-            lse = m_safe + tl.log(tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0))
+            nb_seq, sink_end, local_first = _row_windows(LENS, pid // HKV, n_sink, n_local, BS)
+            lse = _row_lse(SM, SL, pid, n_spans, BLOCK_G, G_POW, BLOCK_S)
             row = pid.to(tl.int64) * G + offs_g
             j = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # block ids of this tile
             pos = j[:, None] * BS + tl.arange(0, BS)[None, :]  # [blocks, BS]
@@ -708,22 +725,9 @@ def _score_chunk(
     statistics (``SM`` / ``SL``): ``mean_i exp(block_lse_i - lse_i)``, ``-inf`` for blocks past
     the sequence or holding a sink or local position (as ``_block_scores_kernel`` scores with
     ``MASS``), written into the row's ``SCORES`` for the top-k that follows in this program."""
-    b = row // HKV
-    seq = tl.load(LENS + b)
-    nb_seq = (seq + BS - 1) // BS
-    sink_end = (tl.minimum(seq, n_sink) + BS - 1) // BS
-    local_first = tl.maximum(seq - n_local, 0) // BS
-    if n_local == 0:
-        local_first = nb_seq
-    offs_g = tl.arange(0, G_POW)  # the statistics' rows are BLOCK_G apart
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_spans
-    stat = (row.to(tl.int64) * n_spans + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
-    m = tl.load(SM + stat, mask=s_ok[:, None], other=float("-inf"))
-    l_s = tl.load(SL + stat, mask=s_ok[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    lse = m_safe + tl.log(tl.sum(l_s * tl.exp(m - m_safe[None, :]), 0))  # [G_POW]
+    nb_seq, sink_end, local_first = _row_windows(LENS, row // HKV, n_sink, n_local, BS)
+    lse = _row_lse(SM, SL, row, n_spans, BLOCK_G, G_POW, BLOCK_S)  # [G_POW]
+    offs_g = tl.arange(0, G_POW)
     offs = tl.arange(0, BLOCK)
     j = lo_pos + offs
     ok = offs < n_here
