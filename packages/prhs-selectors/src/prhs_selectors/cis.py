@@ -763,12 +763,12 @@ class CIS(BaseSelector):
                     fill_idle=False,  # ranked below for the retrieving rows only
                     path=path,
                 )
-            if n_next:  # the retrieving rows' anchors also keep their next-best blocks
-                new_idx, new_scores = retrieval_pool(
-                    scores, m_width, n_next, retrieve, anchor_next, slots, path=path
-                )
-            elif not early:
-                new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
+                if n_next:  # the retrieving rows' anchors also keep their next-best blocks
+                    new_idx, new_scores = retrieval_pool(
+                        scores, m_width, n_next, retrieve, anchor_next, slots, path=path
+                    )
+                else:
+                    new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         if random:  # compose without dilation, then add the random blocks
             n_extra = 2 * c.r * self.dilation_m()
             out_idx = sel.indices.new_empty((*sel.indices.shape[:-1], sel.width - n_extra))

@@ -501,14 +501,18 @@ def retrieval_compose(
     the program that then ranks it (``mean_i exp(block_lse_i - lse_i)``: the block-score pass's
     mass, to float32 rounding). A step where no row retrieves then launches two kernels that
     find nothing to do, and the ``T``-long logits never reach memory. Otherwise it is those two
-    calls."""
+    calls. Every argument is checked before anything is launched or written."""
     b = query.shape[0]
     check_query(query, kv)
     h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
     check_bool_mask("retrieve", retrieve, (b, h))
     check_bool_mask("bad", bad, (b, h))
-    check_int("block_size", block_size, minimum=1)
     check_block_score(score)
+    ws, wl = _check_retrieving_compose(
+        "retrieval_compose", query, m_top, anchor_len, anchor_idx, n_sink, n_local,
+        block_size, m, r, hold_local, out_indices, out_counts, anchor_union, anchor_union_cnt,
+        any_retrieve,
+    )  # fmt: skip
     nb = -(-kv.max_len // block_size)
     k = min(m_top, nb)
     fused = False
@@ -529,11 +533,6 @@ def retrieval_compose(
             anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt,
             hold_local=hold_local, any_retrieve=any_retrieve, path=path,
         )  # fmt: skip
-    ws, wl = _check_retrieving_compose(
-        "retrieval_compose", query, m_top, anchor_len, anchor_idx, n_sink, n_local,
-        block_size, m, r, hold_local, out_indices, out_counts, anchor_union, anchor_union_cnt,
-        any_retrieve,
-    )  # fmt: skip
     from prhs_kernels.cis.triton import retrieval_compose_triton
 
     announce("retrieval_compose", path, query.device)
