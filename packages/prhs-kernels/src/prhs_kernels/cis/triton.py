@@ -38,6 +38,7 @@ from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
+from prhs_kernels.topk.triton import order_key, prefix_count, take_top
 
 __all__ = [
     "TOPK_CHUNK",
@@ -682,22 +683,6 @@ def _compose_kernel(
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
-def _prefix_count(flags, BLOCK: tl.constexpr, SEG: tl.constexpr):
-    """Inclusive prefix count of ``flags [BLOCK]`` (bool), in segments of ``SEG`` lanes: a
-    prefix sum within each segment, plus the exclusive prefix sum of the segments' totals
-    (``SEG`` 0: one prefix sum over the block)."""
-    x = flags.to(tl.int32)
-    if SEG == 0:
-        out = tl.cumsum(x, 0)
-    else:
-        x2 = tl.reshape(x, [BLOCK // SEG, SEG])
-        total = tl.sum(x2, 1)
-        before = tl.cumsum(total, 0) - total
-        out = tl.reshape(before[:, None] + tl.cumsum(x2, 1), [BLOCK])
-    return out
-
-
-@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def _score_chunk(
     row,
     lo_pos,
@@ -791,52 +776,8 @@ def _topk_program(
         ok = offs < n_here
         src = row.to(tl.int64) * stride_row + lo_pos  # a stride of 16k keeps loads vectorised
         x = tl.load(SCORES + src + offs, mask=ok, other=float("-inf"))
-        x = tl.where(x != x, float("-inf"), x)
-        bits = x.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the keys = order of floats
-        key = tl.where(ok, key, -2147483648)
-        if RADIX_BITS == 8:
-            # The k-th largest key digit by digit, 8 bits a round: a 256-bin histogram of the
-            # next digit of the keys that share the digits found so far, then the digit whose
-            # count from the top reaches what is still needed (4 dependent rounds, not 16).
-            u = key ^ -2147483648  # the unsigned order of the keys, in int32 bits
-            bins = tl.arange(0, 256)
-            match = ok
-            prefix = tl.full([], 0, tl.int32)
-            rest = k_here
-            for r in tl.static_range(4):
-                digit = (u >> (24 - 8 * r)) & 255
-                # Unmatched keys go to bin 0 and are taken back out (no mask in older Triton).
-                hist = tl.histogram(tl.where(match, digit, 0), 256)
-                hist = hist - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
-                from_top = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys with digit >= b
-                j = tl.sum((from_top >= rest).to(tl.int32), 0) - 1
-                rest = rest - (tl.sum(tl.where(bins == j, from_top - hist, 0), 0))
-                match = match & (digit == j)
-                prefix = prefix | (j << (24 - 8 * r))
-            thr = prefix ^ -2147483648
-        else:
-            lo = tl.full([], -2147483648, tl.int64)
-            hi = tl.full([], 2147483647, tl.int64)
-            # The largest t with #{key >= t} >= k_here, RADIX_BITS bits a round: each round
-            # counts the keys at or above 2^RADIX_BITS thresholds cutting [lo, hi] into equal
-            # parts in one reduction, and keeps the part holding t (fewer dependent reductions
-            # than a bisection, which is what bounds a program that holds its whole chunk).
-            offs_r = tl.arange(0, RADIX)
-            for _ in range(32 // RADIX_BITS):
-                cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
-                # The keys compare in int32 (5-9 % faster than int64).
-                cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
-                j = tl.sum((cnt >= k_here).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
-                nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
-                hi = tl.where(j == RADIX - 1, hi, nxt - 1)
-                lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
-            thr = lo.to(tl.int32)
-        greater = ok & (key > thr)
-        tie = ok & (key == thr)
-        need = k_here - tl.sum(greater.to(tl.int32), 0)
-        take = greater | (tie & (_prefix_count(tie, BLOCK, SEG) <= need))
-        pos = _prefix_count(take, BLOCK, SEG) - 1
+        key = tl.where(ok, order_key(x), -2147483648)
+        take, pos = take_top(key, ok, k_here, BLOCK, RADIX_BITS, RADIX, SEG)
         comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
         scratch = SCRATCH + slot * BLOCK_K
         tl.store(scratch + pos, comp, mask=take)
@@ -1795,7 +1736,7 @@ def _rescore_write_kernel(
             in_pool = e < n_pool
             rest = in_pool & (tl.load(flag + e, mask=in_pool, other=1) == 0)
             ids = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, e, rest, m_list)
-            at = done + _prefix_count(rest, BLOCK_P, SEG) - 1
+            at = done + prefix_count(rest, BLOCK_P, SEG) - 1
             tl.store(tmp + at, ids.to(tl.int32), mask=rest & (at < r_next))
             done += tl.sum(rest.to(tl.int32), 0)
         tl.debug_barrier()
@@ -1972,7 +1913,7 @@ def _pool_rest_kernel(
             cv = tl.load(CVAL + row * n_cand + e, mask=in_c, other=float("-inf"))
             rest = in_c & (cv > float("-inf")) & (tl.load(flag + e, mask=in_c, other=1) == 0)
             cid = tl.load(CAND + row * n_cand + e, mask=rest, other=-1)
-            at = done + _prefix_count(rest, BLOCK_P, SEG) - 1
+            at = done + prefix_count(rest, BLOCK_P, SEG) - 1
             tl.store(nxt + at, cid, mask=rest & (at < r_next))
             done += tl.sum(rest.to(tl.int32), 0)
         for p0 in range(0, r_next, BLOCK_P):
