@@ -32,6 +32,8 @@ import pytest
 import torch
 
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_kernels.cis.reference import block_eligible_reference
+from prhs_kernels.compose import window_widths
 
 LAYOUTS = ("contig", "contig0", "paged1", "paged16")
 
@@ -279,3 +281,58 @@ def catch_launches(monkeypatch):
 # ``interpreted/`` needs Triton imported under TRITON_INTERPRET=1: ``test_triton.py`` runs it in a
 # pytest process of its own, so a run without that variable leaves it out.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
+
+
+# -- Quest's selection: page scores as Quest's scoring writes them (``-inf`` where a page may not
+# be picked, random bounds elsewhere with ties, NaN and ``-inf`` sprinkled over pages that may
+# be picked).
+# (lens, Hkv, page size, n_sink, n_local, k): every row shape the selection meets.
+SELECT_CASES = [
+    ([1, 0, 40], 2, 1, 0, 0, 3),  # pages of one position, no windows, an empty row
+    ([37, 5, 16, 200], 2, 16, 4, 8, 2),  # T not a multiple of the page, rows inside the windows
+    ([300, 129], 4, 16, 64, 32, 64),  # k above the pages that may be picked
+    ([1000, 999, 17], 1, 8, 4, 100, 16),  # a local window over many pages, unaligned
+    ([5000, 4096], 8, 16, 4, 64, 64),  # Table V's Quest: 313 pages, budget 1024
+    ([700], 2, 4, 0, 9, 40),  # no sink
+    ([2048, 64], 2, 1, 3, 0, 100),  # no local window, 2048 pages
+]
+SELECT_IDS = [f"B{len(c[0])}-Hkv{c[1]}-p{c[2]}-s{c[3]}-l{c[4]}-k{c[5]}" for c in SELECT_CASES]
+
+
+def quest_select_case(lens, hkv, p, n_sink, n_local, k, *, seed=0, extra_width=3):
+    """``(scores, seq_lens, bad, out_indices, out_counts)``: page scores ``[B, Hkv, P]`` for rows
+    of ``lens`` positions (``P`` from the longest, plus a page past it), a few ``bad`` rows, and
+    output buffers ``extra_width`` entries wider than the selection needs, full of a value no
+    selection holds (so that a test sees every entry written)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    n_pages = -(-max(lens) // p) + 1
+    bad = torch.rand(b, hkv, generator=gen) < 0.2
+    bad[0, 0] = False
+    # Bounds on a coarse grid (ties), a few NaN and -inf among the pages that may be picked.
+    scores = torch.randint(-40, 40, (b, hkv, n_pages), generator=gen).float() / 8
+    odd = torch.rand(b, hkv, n_pages, generator=gen)
+    scores[odd < 0.03] = float("nan")
+    scores[(odd >= 0.03) & (odd < 0.05)] = float("-inf")
+    ok = block_eligible_reference(seq_lens, n_pages, p, n_sink, n_local)
+    ok = ok.unsqueeze(1) & ~bad.unsqueeze(-1)
+    scores = scores.masked_fill(~ok, float("-inf"))
+    ws, wl = window_widths(n_sink, n_local, p)
+    width = ws + k + wl + extra_width
+    out = torch.full((b, hkv, width), 12345, dtype=torch.int32)
+    cnt = torch.full((b, hkv), 12345, dtype=torch.int32)
+    return scores, seq_lens, bad, out, cnt
+
+
+@pytest.fixture(params=SELECT_CASES, ids=SELECT_IDS)
+def quest_case(request) -> tuple:
+    """Parametrizes a test over :data:`SELECT_CASES`: ``(case, built)`` with ``built`` from
+    :func:`quest_select_case`."""
+    return request.param, quest_select_case(*request.param, seed=len(request.param[0]))
+
+
+@pytest.fixture
+def make_quest_case():
+    """:func:`quest_select_case`: page scores, lengths, bad rows and output buffers."""
+    return quest_select_case

@@ -283,3 +283,48 @@ def test_bad_config_raises(options, error, match) -> None:
 
 def test_block_size_equal_to_page_size_is_accepted() -> None:
     assert QuestConfig(page_size=8, block_size=8).block_size == 8
+
+
+@pytest.mark.parametrize("quest_layout_name", ["contiguous", "paged"])
+def test_a_sparse_layer_on_a_triton_path_is_two_launches(
+    make_sim, monkeypatch, quest_layout_name
+) -> None:
+    """The page scores and the selection, each one launch; no top-k, sort or union in torch,
+    and no separate check of the query (the launches find the rows it would). On a contiguous
+    cache, nothing else at all: the page rows are kept from the first step."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.jit import JITFunction
+
+    layout = "contiguous" if quest_layout_name == "contiguous" else "paged16"
+    sim = make_sim(
+        [300, 129], num_q_heads=8, num_kv_heads=2, head_dim=16, layout=layout,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    quest = Quest(QuestConfig(budget=64, page_size=16, dense_layers=0))
+    state = sim.attach(quest, stats=False, checked=False)
+    monkeypatch.setattr(quest, "kernel_path", lambda device, dtype: "triton")
+    launches: list[str] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(self.fn.__name__)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    ops: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    plan, kv = sim.update(quest), sim.kv(0)
+    quest.select(plan, 0, sim.queries[0], kv, state)  # the first step keeps the rows
+    launches.clear()
+    with Log():
+        sel = quest.select(plan, 0, sim.queries[0], kv, state)
+    assert launches == ["_page_scores_kernel", "_select_kernel"]
+    assert sel.indices.data_ptr() == plan.selection.indices.data_ptr()
+    assert not {"topk", "sort", "cat", "scatter"} & set(ops), ops
+    assert not {"abs", "isfinite", "isnan", "all", "any"} & set(ops), ops
+    if layout == "contiguous":  # views of the side fields and the scores' buffer only
+        assert set(ops) <= {"select", "slice", "view", "detach", "as_strided", "empty"}, ops

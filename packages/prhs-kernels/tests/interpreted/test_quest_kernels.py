@@ -1,7 +1,9 @@
-"""Quest's page-scoring kernel against its torch reference, under Triton's interpreter (run by
-``../test_triton.py``): small and odd shapes (rows of length 1, lengths that are not a multiple
-of the page, several spans of pages), GQA 1 / 4 / 8, pages of 1 and 16, the side cache built
-through every layout's KV locations, bf16 and fp16."""
+"""Quest's kernels against their torch references, under Triton's interpreter (run by
+``../test_triton.py``). The page scores: small and odd shapes (rows of length 1, lengths that
+are not a multiple of the page, several spans of pages), GQA 1 / 4 / 8, pages of 1 and 16, the
+side cache built through every layout's KV locations, bf16 and fp16. The selection: every row
+shape of ``SELECT_CASES`` (empty rows, rows inside the windows, ``k`` above the pages that may
+be picked, no sink, no local window, ties, NaN and ``-inf`` bounds, bad rows)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 from prhs_kernels import paths
 from prhs_kernels.kv import token_locations
-from prhs_kernels.quest import quest_page_scores
+from prhs_kernels.quest import quest_page_scores, quest_select
 
 PATH = "triton-interpreter"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,3 +153,70 @@ def test_bad_input_raises(change, error, match):
     kw.update(change)
     with pytest.raises(error, match=match):
         quest_page_scores(**kw)
+
+
+def test_select_matches_the_torch_path(quest_case):
+    (_, _, p, n_sink, n_local, k), (scores, seq_lens, bad, out, cnt) = quest_case
+    want_out, want_cnt = out.clone(), cnt.clone()
+    kw = dict(page_size=p, n_sink=n_sink, n_local=n_local)
+    quest_select(scores, seq_lens, bad, k, **kw, out_indices=out, out_counts=cnt, path=PATH)
+    quest_select(
+        scores, seq_lens, bad, k, **kw, out_indices=want_out, out_counts=want_cnt, path="torch"
+    )  # fmt: skip
+    # Ties go to the lower page on both paths on the CPU: the same selections, every entry.
+    assert torch.equal(cnt, want_cnt)
+    assert torch.equal(out, want_out)
+
+
+def test_select_writes_through_strided_buffers():
+    """A plan's buffers may be views: rows and heads of a wider selection."""
+    b, hkv, p, n_pages = 2, 3, 16, 40
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(b, hkv, n_pages, generator=gen)
+    seq_lens = torch.tensor([600, 333], dtype=torch.int32)
+    bad = torch.zeros(b, hkv, dtype=torch.bool)
+    kw = dict(page_size=p, n_sink=4, n_local=32)
+    big = torch.full((b, 2 * hkv, 20), 7, dtype=torch.int32)
+    big_cnt = torch.full((b, 2 * hkv), 7, dtype=torch.int32)
+    out, cnt = big[:, ::2, 2:], big_cnt[:, ::2]
+    quest_select(scores, seq_lens, bad, 8, **kw, out_indices=out, out_counts=cnt, path=PATH)
+    want, want_cnt = torch.empty(b, hkv, 18, dtype=torch.int32), cnt.clone()
+    quest_select(scores, seq_lens, bad, 8, **kw, out_indices=want, out_counts=want_cnt)
+    assert torch.equal(out, want) and torch.equal(cnt, want_cnt)
+    assert bool((big[:, 1::2] == 7).all()) and bool((big[:, :, :2] == 7).all())
+    assert bool((big_cnt[:, 1::2] == 7).all())
+
+
+def test_both_launches_find_the_bad_rows_themselves(make_kv):
+    """``bad=None``: the page scores and the selection find the rows whose group's queries hold
+    a NaN or an infinity (the selection counts them), as the separate check would."""
+    gen = torch.Generator().manual_seed(11)
+    lens, hq, hkv, d, p = [300, 129, 77], 8, 2, 16, 16
+    data = make_kv(lens, hkv, d, dtype=torch.bfloat16, seed=4)
+    kmin, kmax, pages = _side_pages(data, "contig", p, gen, empty=0)
+    query = torch.randn(len(lens), hq, d, generator=gen).bfloat16()
+    query[0, 5, 3] = float("nan")  # row (0, KV head 1)
+    query[2, 0, 0] = float("inf")  # row (2, KV head 0)
+    query[2, 7, 15] = float("-inf")  # row (2, KV head 1)
+    bad = torch.tensor([[False, True], [False, False], [True, True]])
+    kw = dict(page_size=p, n_sink=4, n_local=32)
+    args = (query, kmin, kmax, pages, data.seq_lens)
+    found = quest_page_scores(*args, None, d**-0.5, **kw, path=PATH)
+    given = quest_page_scores(*args, bad, d**-0.5, **kw, path=PATH)
+    torch.testing.assert_close(found, given, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isneginf(found[bad]).all())
+    ws_k_wl = 1 + 8 + 3
+    out = torch.full((3, hkv, ws_k_wl), 9, dtype=torch.int32)
+    cnt = torch.full((3, hkv), 9, dtype=torch.int32)
+    want, want_cnt = out.clone(), cnt.clone()
+    nonfinite = torch.tensor([5], dtype=torch.int64)
+    quest_select(found, data.seq_lens, None, 8, **kw, out_indices=out, out_counts=cnt,
+                 query=query, nonfinite=nonfinite, path=PATH)  # fmt: skip
+    quest_select(given, data.seq_lens, bad, 8, **kw, out_indices=want, out_counts=want_cnt)
+    assert torch.equal(out, want) and torch.equal(cnt, want_cnt)
+    assert int(nonfinite) == 5 + 3
+    # The torch path counts them the same way.
+    nonfinite_t = torch.tensor([0], dtype=torch.int64)
+    quest_select(found, data.seq_lens, None, 8, **kw, out_indices=want, out_counts=want_cnt,
+                 query=query, nonfinite=nonfinite_t)  # fmt: skip
+    assert torch.equal(out, want) and int(nonfinite_t) == 3

@@ -8,14 +8,14 @@ import torch
 
 from prhs_core.checks import check_int
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.layout import KVLayout
+from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
 from prhs_kernels.kv import token_locations
-from prhs_kernels.quest import page_bounds, quest_page_scores
-from prhs_kernels.topk import topk_indices
+from prhs_kernels.quest import page_bounds, quest_page_scores, quest_select
+from prhs_kernels.score import nonfinite_rows
 from prhs_selectors.base import BaseSelector, fold_page_bounds
 
 __all__ = ["Quest", "QuestConfig", "page_bounds"]
@@ -85,6 +85,10 @@ class Quest(BaseSelector):
     config_type = QuestConfig
     config: QuestConfig
 
+    def __init__(self, config: QuestConfig | None = None) -> None:
+        super().__init__(config)
+        self._rows_cache: dict[tuple, torch.Tensor] = {}
+
     @property
     def block_size(self) -> int:
         return self.config.page_size
@@ -95,6 +99,11 @@ class Quest(BaseSelector):
 
     def side_page_size(self) -> int:
         return self.config.page_size
+
+    def finds_nonfinite_queries(self) -> bool:
+        # On a Triton path both launches find the rows whose query is not finite (the
+        # selection counts them); select_layer runs the separate check elsewhere.
+        return True
 
     def uses_side_cache(self) -> bool:
         return True
@@ -130,40 +139,67 @@ class Quest(BaseSelector):
         query: torch.Tensor,
         kv: KVLayout,
         state: SelectorState,
-        bad: torch.Tensor,
+        bad: torch.Tensor | None,
     ) -> Selection | None:
         c = self.config
+        path = self.kernel_path(query.device, kv.dtype)
+        # On a Triton path a sparse layer's two launches find the bad rows and count them;
+        # elsewhere (and on the dense layers) the separate check does, as for other selectors.
+        found = path.startswith("triton") and layer >= c.dense_layers
+        if bad is None and not found:
+            bad = nonfinite_rows(query, kv.num_kv_heads)
+            state.nonfinite.add_(bad.sum())
         if layer < c.dense_layers:
             self.record(plan, layer, kv, None, None, None)
             return None
         side = state.side
         assert side is not None
         p = c.page_size
-        b = kv.batch_size
         n_pages = -(-kv.max_len // p)
-        first_pos = torch.arange(n_pages, device=kv.seq_lens.device) * p
-        loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
         row = layer - c.dense_layers
         scores = quest_page_scores(
             query,
             side["quest_kmin"][:, row],  # [pages + 1, Hkv, D], views read in place
             side["quest_kmax"][:, row],
-            side.pages_of(loc),  # [B, P]
+            self._page_rows(kv, state, n_pages),  # [B, P]
             kv.seq_lens,
             bad,
             plan.scaling,
             page_size=p,
             n_sink=c.n_sink,
             n_local=c.n_local,
-            path=self.kernel_path(query.device, kv.dtype),
+            path=path,
         )  # [B, Hkv, P]: the group's bound, -inf where no page may be picked
-        # Top-k takes the mask too: an eligible page whose bound is NaN or -inf still counts.
-        eligible = (self.block_eligible(kv, n_pages).unsqueeze(1) & ~bad.unsqueeze(-1)).expand_as(
-            scores
-        )
-        idx, _ = topk_indices(scores, self.budget_blocks(), eligible)
-        sel = self.compose(plan, kv, idx)
-        elem = torch.empty((), dtype=kv.dtype).element_size()
-        meta = self.num_blocks(kv).view(-1, 1).to(torch.float64) * (2 * kv.head_dim * elem)
+        sel = plan.selection
+        quest_select(
+            scores, kv.seq_lens, bad, self.budget_blocks(), page_size=p, n_sink=c.n_sink,
+            n_local=c.n_local, out_indices=sel.indices, out_counts=sel.counts, query=query,
+            nonfinite=state.nonfinite if bad is None else None, path=path,
+        )  # fmt: skip
+        meta = None
+        if plan.stats is not None:
+            elem = torch.empty((), dtype=kv.dtype).element_size()
+            meta = self.num_blocks(kv).view(-1, 1).to(torch.float64) * (2 * kv.head_dim * elem)
         self.record(plan, layer, kv, sel, None, meta)
         return sel
+
+    def _page_rows(self, kv: KVLayout, state: SelectorState, n_pages: int) -> torch.Tensor:
+        """``[B, P]`` side-cache page row of each row's page ``j`` (read only where the page
+        exists). A contiguous cache's are ``b · row_stride / page_size + j`` whatever the step:
+        one strided view of a range, kept per shape, so that a step launches nothing for them."""
+        p = self.config.page_size
+        b = kv.batch_size
+        dev = kv.seq_lens.device
+        if isinstance(kv, ContiguousKV):
+            per_row = state.row_stride // p  # rows start on a page of the side cache
+            key = (dev, b, n_pages, per_row)
+            rows = self._rows_cache.get(key)
+            if rows is None:
+                flat = torch.arange((b - 1) * per_row + n_pages, device=dev)
+                rows = self._rows_cache[key] = flat.as_strided((b, n_pages), (per_row, 1))
+            return rows
+        first_pos = torch.arange(n_pages, device=dev) * p
+        loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
+        side = state.side
+        assert side is not None
+        return side.pages_of(loc)

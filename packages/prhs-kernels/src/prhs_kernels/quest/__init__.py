@@ -1,12 +1,15 @@
-"""Quest's page scoring, a checked launcher over a torch reference:
+"""Quest's step, checked launchers over torch references:
 
 - :func:`quest_page_scores` -- the score Quest's top-k ranks each page by: the largest logit
   upper bound of the group's query heads, from the page's key minimum and maximum kept in a side
-  cache, ``-inf`` where Quest may not pick the page.
+  cache, ``-inf`` where Quest may not pick the page;
+- :func:`quest_select` -- the selection from those scores: the windows' pages and the top
+  ``k`` pages Quest may pick, ascending, written into the plan's buffers.
 
 The path (:func:`prhs_kernels.paths.kernel_path`): ``"triton"`` on CUDA for fp16/bf16 caches
-(one launch that reads each eligible page's minimum and maximum once), ``"triton-interpreter"``
-on the CPU under ``TRITON_INTERPRET=1``, else ``"torch"``.
+(one launch each: the scores read each eligible page's minimum and maximum once; the selection
+ranks a row in one program and writes it without a sort), ``"triton-interpreter"`` on the CPU
+under ``TRITON_INTERPRET=1``, else ``"torch"``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,22 @@ from prhs_core.checks import (
     check_shape,
     shape_str,
 )
+from prhs_kernels.compose.reference import window_widths
 from prhs_kernels.paths import announce
-from prhs_kernels.quest.reference import page_bounds, quest_page_scores_reference
+from prhs_kernels.quest.reference import (
+    page_bounds,
+    quest_page_scores_reference,
+    quest_select_reference,
+)
+from prhs_kernels.score.reference import nonfinite_rows
 
-__all__ = ["page_bounds", "quest_page_scores", "quest_page_scores_reference"]
+__all__ = [
+    "page_bounds",
+    "quest_page_scores",
+    "quest_page_scores_reference",
+    "quest_select",
+    "quest_select_reference",
+]
 
 PATHS = ("torch", "triton", "triton-interpreter")
 
@@ -72,11 +87,12 @@ def _check(
     if seq_lens.dtype != torch.int32:
         raise TypeError(f"seq_lens must be int32, got {seq_lens.dtype}")
     check_shape("seq_lens", seq_lens, (b,), "[B]")
-    check_bool_mask("bad", bad, (b, hkv))
-    assert isinstance(bad, torch.Tensor)
+    if bad is not None:
+        check_bool_mask("bad", bad, (b, hkv))
+        assert isinstance(bad, torch.Tensor)
+        check_device(("query", "bad"), (query, bad))
     check_device(
-        ("query", "kmin", "kmax", "pages", "seq_lens", "bad"),
-        (query, kmin, kmax, pages, seq_lens, bad),
+        ("query", "kmin", "kmax", "pages", "seq_lens"), (query, kmin, kmax, pages, seq_lens)
     )
     if isinstance(scaling, bool) or not isinstance(scaling, int | float):
         raise TypeError(f"scaling must be a float, got {type(scaling).__name__}")
@@ -90,7 +106,7 @@ def quest_page_scores(
     kmax: torch.Tensor,
     pages: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
+    bad: torch.Tensor | None,
     scaling: float,
     *,
     page_size: int,
@@ -122,7 +138,8 @@ def quest_page_scores(
     seq_lens:
         ``[B]`` int32 cached positions per row.
     bad:
-        ``[B, Hkv]`` bool: rows that pick nothing (all ``-inf``).
+        ``[B, Hkv]`` bool: rows that pick nothing (all ``-inf``); ``None``: the rows whose
+        group's queries hold a NaN or an infinity (found in the kernel on a Triton path).
     scaling:
         Logit scale.
     page_size, n_sink, n_local:
@@ -144,3 +161,111 @@ def quest_page_scores(
 
         return quest_page_scores_triton(*args)
     return quest_page_scores_reference(*args)
+
+
+def quest_select(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    k: int,
+    *,
+    page_size: int,
+    n_sink: int,
+    n_local: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    query: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+    path: str = "torch",
+) -> None:
+    """Write Quest's selection of every (sequence, KV head) row into ``out_indices [B, Hkv, W]``
+    and ``out_counts [B, Hkv]`` (int32, e.g. a plan's selection buffers): the pages holding the
+    first ``n_sink`` and the last ``n_local`` positions, and the ``k`` pages of largest score
+    among those Quest may pick (``scores [B, Hkv, P]`` float32 from :func:`quest_page_scores`;
+    pages that exist, hold no window position, on rows that are not ``bad``: NaN and ``-inf``
+    scores of such pages rank last but count). Page ids, ascending and distinct, ``-1`` past
+    each count; ``W`` at least ``ws + k + wl`` (the windows' static widths,
+    :func:`prhs_kernels.compose.window_widths`). Ties: any of the tied pages on the torch path
+    (``torch.topk`` on CUDA), the lower page on the Triton path.
+
+    On a Triton path, one launch for rows of up to :data:`prhs_kernels.quest.triton.MAX_PAGES`
+    pages: a program per row finds its top ``k`` without sorting and writes the selection as
+    it lies (the winners sit between the windows); longer rows take the torch path
+    (:func:`.reference.quest_select_reference`: top-k, then the union with the windows).
+
+    ``bad`` ``None``: the rows whose group's queries (``query [B, Hq, D]``, then required) hold
+    a NaN or an infinity pick nothing, and are counted into ``nonfinite`` (one int64 element,
+    :attr:`prhs_core.state.SelectorState.nonfinite`) when given -- found in the selection's
+    own launch on a Triton path, so that a step needs no separate check."""
+    check_float_tensor("scores", scores, ndim=3)
+    assert isinstance(scores, torch.Tensor)
+    if scores.dtype != torch.float32:
+        raise TypeError(f"scores must be float32 [B, Hkv, P] page scores, got {scores.dtype}")
+    b, h, n_pages = scores.shape
+    check_index_tensor("seq_lens", seq_lens, ndim=1)
+    if seq_lens.dtype != torch.int32:
+        raise TypeError(f"seq_lens must be int32, got {seq_lens.dtype}")
+    check_shape("seq_lens", seq_lens, (b,), "[B]")
+    if bad is not None:
+        check_bool_mask("bad", bad, (b, h))
+        check_device(("scores", "bad"), (scores, bad))
+    else:
+        if not isinstance(query, torch.Tensor):
+            raise ValueError("quest_select needs the query [B, Hq, D] to find the bad rows")
+        check_float_tensor("query", query, ndim=3)
+        if query.shape[0] != b or query.shape[1] % h:
+            raise ValueError(
+                f"query must be [B={b}, Hq, D] with Hq a multiple of Hkv={h}, got "
+                f"{shape_str(query)}"
+            )
+        check_device(("scores", "query"), (scores, query))
+    if nonfinite is not None and (
+        not isinstance(nonfinite, torch.Tensor)
+        or nonfinite.dtype != torch.int64
+        or nonfinite.numel() != 1
+        or nonfinite.device != scores.device
+    ):
+        raise ValueError(
+            "nonfinite must be a one-element int64 tensor on the scores' device "
+            "(SelectorState.nonfinite)"
+        )
+    check_int("k", k, minimum=1)
+    check_int("page_size", page_size, minimum=1)
+    check_int("n_sink", n_sink, minimum=0)
+    check_int("n_local", n_local, minimum=0)
+    check_index_tensor("out_indices", out_indices, ndim=3)
+    check_index_tensor("out_counts", out_counts, ndim=2)
+    if out_indices.dtype != torch.int32 or out_counts.dtype != torch.int32:
+        raise TypeError(
+            f"out_indices and out_counts must be int32, got {out_indices.dtype} and "
+            f"{out_counts.dtype}"
+        )
+    ws, wl = window_widths(n_sink, n_local, page_size)
+    check_shape("out_indices", out_indices, (b, h, None), "[B, Hkv, W]")
+    check_shape("out_counts", out_counts, (b, h), "[B, Hkv]")
+    if out_indices.shape[-1] < ws + k + wl:
+        raise ValueError(
+            f"out_indices holds {out_indices.shape[-1]} entries a row; the selection needs "
+            f"ws + k + wl = {ws} + {k} + {wl} = {ws + k + wl}"
+        )
+    check_device(
+        ("scores", "seq_lens", "out_indices", "out_counts"),
+        (scores, seq_lens, out_indices, out_counts),
+    )
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    args = (scores, seq_lens, bad, k, page_size, n_sink, n_local, out_indices, out_counts)
+    if path.startswith("triton"):
+        from prhs_kernels.quest.triton import quest_select_fits, quest_select_triton
+
+        if quest_select_fits(n_pages):
+            announce("quest_select", path, scores.device)
+            quest_select_triton(*args, query=query, nonfinite=nonfinite)
+            return
+    announce("quest_select", "torch", scores.device)
+    if bad is None:
+        assert query is not None
+        bad = nonfinite_rows(query, h)
+        if nonfinite is not None:
+            nonfinite.add_(bad.sum())
+    quest_select_reference(scores, seq_lens, bad, *args[3:])

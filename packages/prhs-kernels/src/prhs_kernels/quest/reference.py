@@ -1,5 +1,6 @@
-"""Torch reference of Quest's page scoring: the logit upper bound of every page from its key
-minimum and maximum, the group's bound, and ``-inf`` where Quest may not pick a page.
+"""Torch references of Quest's step: the page scores (the logit upper bound of every page from
+its key minimum and maximum, the group's bound, and ``-inf`` where Quest may not pick a page)
+and the selection (the top pages by score between the windows).
 
 Readable and exact: the Triton kernel of :mod:`prhs_kernels.quest.triton` is tested against it,
 and the ``quest`` selector runs it wherever the kernel does not apply.
@@ -10,8 +11,12 @@ from __future__ import annotations
 import torch
 
 from prhs_kernels.cis.reference import block_eligible_reference
+from prhs_kernels.compose import union_indices
+from prhs_kernels.compose.reference import window_indices_reference
+from prhs_kernels.score.reference import nonfinite_rows
+from prhs_kernels.topk import topk_indices
 
-__all__ = ["page_bounds", "quest_page_scores_reference"]
+__all__ = ["page_bounds", "quest_page_scores_reference", "quest_select_reference"]
 
 
 def page_bounds(
@@ -47,7 +52,7 @@ def quest_page_scores_reference(
     kmax: torch.Tensor,
     pages: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
+    bad: torch.Tensor | None,
     scaling: float,
     page_size: int,
     n_sink: int,
@@ -63,7 +68,8 @@ def quest_page_scores_reference(
 
     ``-inf`` where Quest may not pick the page: the page does not exist
     (``j · page_size >= seq_lens[b]``), holds one of the first ``n_sink`` or last ``n_local``
-    positions, or the row is ``bad``. ``pages[b, j]`` is read only where the page exists.
+    positions, or the row is ``bad`` (``None``: its group's queries hold a NaN or an
+    infinity). ``pages[b, j]`` is read only where the page exists.
     """
     b, hq, d = query.shape
     hkv = kmin.shape[1]
@@ -77,6 +83,34 @@ def quest_page_scores_reference(
     q = query.reshape(b, hkv, hq // hkv, d).float()
     bound = page_bounds(q, torch.where(keep, lo, 0.0), torch.where(keep, hi, 0.0), scaling)
     bound = bound.amax(2)  # [B, Hkv, P]: the group's bound
+    if bad is None:
+        bad = nonfinite_rows(query, hkv)
     ok = block_eligible_reference(seq_lens, n_pages, page_size, n_sink, n_local)
     ok = ok.unsqueeze(1) & ~bad.unsqueeze(-1)
     return bound.masked_fill(~ok, float("-inf"))
+
+
+def quest_select_reference(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor,
+    k: int,
+    page_size: int,
+    n_sink: int,
+    n_local: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+) -> None:
+    """Quest's selection of every row into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]``
+    (int32): the pages holding the first ``n_sink`` and last ``n_local`` positions, and the
+    ``k`` pages of largest ``scores [B, Hkv, P]`` among those Quest may pick (they exist, hold
+    no window position, and the row is not ``bad``; NaN and ``-inf`` scores of such pages rank
+    last but count). Ascending and distinct, ``-1`` past the count. Ties: any of the tied pages
+    (:func:`prhs_kernels.topk.topk_indices`)."""
+    n_pages = scores.shape[-1]
+    ok = block_eligible_reference(seq_lens, n_pages, page_size, n_sink, n_local)
+    ok = (ok.unsqueeze(1) & ~bad.unsqueeze(-1)).expand_as(scores)
+    top, _ = topk_indices(scores, k, ok)
+    sink, local = window_indices_reference(seq_lens, n_sink, n_local, page_size)
+    n_blocks = (seq_lens + (page_size - 1)) // page_size
+    union_indices([sink, top, local], n_blocks, out_indices, out_counts)

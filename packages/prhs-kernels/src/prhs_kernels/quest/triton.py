@@ -1,5 +1,6 @@
-"""Triton kernel of Quest's page scoring: one launch reads each eligible page's key minimum and
-maximum once and writes the group's bound.
+"""Triton kernels of Quest's step: the page scores (one launch reads each eligible page's key
+minimum and maximum once and writes the group's bound), then the selection (one launch ranks
+every row's pages and writes its selection with the windows).
 
 ``_page_scores_kernel``, a flat grid of ``B * Hkv * ceil(P / BLOCK_P)`` programs (one axis:
 the second and third of a CUDA grid stop at 65535): a program takes one (sequence, KV head) and
@@ -16,6 +17,14 @@ rows (8 bytes a page, shared by the row's KV heads through the cache) and the gr
 windows, pages past the end and ``bad`` rows are not read. No tensor-core ``tl.dot`` (the
 interpreter multiplies bf16 wrongly in it, and ``g`` is below its tile), no value is read on the
 host and every shape is static, so the launch can be captured in a CUDA graph.
+
+``_select_kernel``, one program per (sequence, KV head), holds the row's ``P`` page scores in
+registers (``P`` up to :data:`MAX_PAGES`) and finds the top ``k`` of the pages Quest may pick
+with the search of :mod:`prhs_kernels.topk.triton` (no sort: NaN and ``-inf`` bounds of such
+pages rank last but still count, ties go to the lower page). The winners lie between the sink
+and the local window, so the selection -- the sink's pages, the winners in page order, the local
+window's pages -- is ascending and distinct as written: each winner is stored at its place among
+the winners, the windows and the ``-1`` tail around them, and the count beside.
 """
 
 from __future__ import annotations
@@ -27,8 +36,55 @@ import triton
 import triton.language as tl
 
 from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
+from prhs_kernels.topk.triton import order_key, take_top
 
-__all__ = ["quest_page_scores_triton"]
+__all__ = [
+    "MAX_PAGES",
+    "TUNING",
+    "quest_page_scores_triton",
+    "quest_select_fits",
+    "quest_select_triton",
+]
+
+MAX_PAGES = 16384
+"""Most pages a row may have for ``_select_kernel`` (one program holds them in registers);
+longer rows are ranked by the torch path."""
+
+TUNING = {"radix_bits": 2, "scan_segment": 128}
+"""The selection's search: bits of the ``k``-th key found a round (1, 2, 4 or 8) and the
+segment of its prefix counts (0 or a power of two >= 16), as the CIS top-k's
+(:data:`prhs_kernels.cis.triton.TUNING`)."""
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _row_bad(
+    Q,
+    BAD,
+    b,
+    h,
+    pid,
+    stride_qb,
+    stride_qh,
+    FIND_BAD: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Whether row ``pid = b · Hkv + h`` picks nothing: read from ``BAD`` or, with
+    ``FIND_BAD``, found here (its group's queries hold a NaN or an infinity)."""
+    if FIND_BAD:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        q_ptr = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+        q = tl.load(q_ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        finite = (q == q) & (tl.abs(q) < float("inf"))
+        bad = tl.sum(tl.sum((mask & ~finite).to(tl.int32), 1), 0) > 0
+    else:
+        bad = tl.load(BAD + pid) != 0
+    return bad
 
 
 def _page_scores_kernel(
@@ -58,14 +114,18 @@ def _page_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PS: tl.constexpr,
+    FIND_BAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     prog = tl.program_id(0)
     pid = prog // n_spans  # the (sequence, KV head) row, b * HKV + h
     span = prog % n_spans
     b = pid // HKV
     h = pid % HKV
     seq = tl.load(LENS + b)
-    bad = tl.load(BAD + pid) != 0
+    bad = _row_bad(Q, BAD, b, h, pid, stride_qb, stride_qh, FIND_BAD, G, BLOCK_G, D, BLOCK_D)
     # What Quest may pick: pages that exist, outside the sink and local windows, on good rows.
     nb_seq = (seq + PS - 1) // PS
     sink_end = (tl.minimum(seq, n_sink) + PS - 1) // PS
@@ -96,14 +156,85 @@ def _page_scores_kernel(
     tl.store(out, tl.where(ok, best, float("-inf")), mask=j < n_pages)
 
 
+def _select_kernel(
+    SCORES,
+    LENS,
+    BAD,
+    Q,
+    NONFINITE,
+    SEL_IDX,
+    SEL_CNT,
+    stride_qb,
+    stride_qh,
+    stride_sb,
+    stride_sh,
+    stride_cb,
+    stride_ch,
+    n_pages,
+    k,
+    n_sink,
+    n_local,
+    HKV: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr,
+    SEG: tl.constexpr,
+    FIND_BAD: tl.constexpr,
+    COUNT: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    pid = tl.program_id(0)  # the (sequence, KV head) row, b * HKV + h
+    b = pid // HKV
+    h = pid % HKV
+    seq = tl.load(LENS + b)
+    bad = _row_bad(Q, BAD, b, h, pid, stride_qb, stride_qh, FIND_BAD, G, BLOCK_G, D, BLOCK_D)
+    if COUNT:  # only the (rare) bad rows touch the counter: no atomics on a clean step
+        tl.atomic_add(NONFINITE, bad.to(tl.int64), mask=bad)
+    # The page scores' windows: pages [0, sink_end) and [local_first, nb_seq) are always read.
+    nb_seq = (seq + PS - 1) // PS
+    sink_end = (tl.minimum(seq, n_sink) + PS - 1) // PS
+    local_first = tl.where(n_local > 0, tl.maximum(seq - n_local, 0) // PS, nb_seq)
+    j = tl.arange(0, BLOCK)
+    ok = (j < n_pages) & (j < nb_seq) & (j >= sink_end) & (j < local_first) & (~bad)
+    x = tl.load(SCORES + pid.to(tl.int64) * n_pages + j, mask=ok, other=float("-inf"))
+    key = tl.where(ok, order_key(x), -2147483648)
+    k_here = tl.minimum(k, tl.sum(ok.to(tl.int32), 0))
+    take, pos = take_top(key, ok, k_here, BLOCK, RADIX_BITS, RADIX, SEG)
+    row = SEL_IDX + b.to(tl.int64) * stride_sb + h * stride_sh
+    tl.store(row + sink_end + pos, j, mask=take)  # the winners, in page order
+    # The sink's pages before them; after them the local window's (those the sink does not
+    # hold already), then -1.
+    local_start = tl.maximum(local_first, sink_end)
+    after = sink_end + k_here
+    count = after + nb_seq - local_start
+    o = tl.arange(0, BLOCK_W)
+    v = tl.where(o < sink_end, o, local_start + (o - after))
+    v = tl.where(o < count, v, -1)
+    tl.store(row + o, v, mask=(o < WIDTH) & ((o < sink_end) | (o >= after)))
+    tl.store(SEL_CNT + b * stride_cb + h * stride_ch, count)
+
+
 @functools.cache
-def _kernels(interpret: bool) -> object:
+def _kernels(interpret: bool) -> tuple[object, object]:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
-    return triton.jit(_page_scores_kernel)
+    return triton.jit(_page_scores_kernel), triton.jit(_select_kernel)
 
 
 def _pow2(n: int, least: int) -> int:
     return max(least, triton.next_power_of_2(n))
+
+
+def _flags(bad: torch.Tensor | None, unread: torch.Tensor) -> torch.Tensor:
+    """``bad`` as the kernels read it (int8), or a tensor they leave unread."""
+    return unread if bad is None else bad.contiguous().view(torch.int8)
 
 
 def quest_page_scores_triton(
@@ -112,12 +243,14 @@ def quest_page_scores_triton(
     kmax: torch.Tensor,
     pages: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
+    bad: torch.Tensor | None,
     scaling: float,
     page_size: int,
     n_sink: int,
     n_local: int,
 ) -> torch.Tensor:
+    """One launch (arguments checked by :func:`prhs_kernels.quest.quest_page_scores`); ``bad``
+    ``None``: each program finds its row's from the group's queries."""
     b, hq, d = query.shape
     h = kmin.shape[1]
     n_pages = pages.shape[1]
@@ -134,13 +267,69 @@ def quest_page_scores_triton(
     # Two [BLOCK_P, BLOCK_D] float32 tiles of about 4096 values each per program.
     block_p = min(_pow2(n_pages, 1), max(1, 4096 // block_d))
     n_spans = triton.cdiv(n_pages, block_p)
-    kernel = _kernels(interpreting())
+    kernel, _ = _kernels(interpreting())
     kernel[(b * h * n_spans,)](
-        query, kmin, kmax, pages, seq_lens, bad.contiguous().view(torch.int8), scores,
+        query, kmin, kmax, pages, seq_lens, _flags(bad, seq_lens), scores,
         query.stride(0), query.stride(1),
         kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1),
         pages.stride(0), pages.stride(1),
         n_pages, n_spans, float(scaling), n_sink, n_local,
-        HKV=h, G=hq // h, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PS=page_size, num_warps=4,
+        HKV=h, G=hq // h, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PS=page_size,
+        FIND_BAD=bad is None, BLOCK_G=_pow2(hq // h, 2),
+        **pdl_args(query.device, "score"), num_warps=4,
     )  # fmt: skip
     return scores
+
+
+def quest_select_fits(n_pages: int) -> bool:
+    """Whether :func:`quest_select_triton` ranks rows of ``n_pages`` pages."""
+    return n_pages <= MAX_PAGES
+
+
+def quest_select_triton(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bad: torch.Tensor | None,
+    k: int,
+    page_size: int,
+    n_sink: int,
+    n_local: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    query: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+) -> None:
+    """One launch: each row's selection from its page scores ``[B, Hkv, P]`` (``P`` at most
+    :data:`MAX_PAGES`) into ``out_indices [B, Hkv, W]`` / ``out_counts [B, Hkv]`` (int32);
+    ``bad`` ``None``: each program finds its row's from ``query``, and counts it into
+    ``nonfinite`` when given. Arguments are checked by :func:`prhs_kernels.quest.quest_select`."""
+    b, h, n_pages = scores.shape
+    if b * h == 0:
+        return
+    bits = TUNING["radix_bits"]
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f'TUNING["radix_bits"] must be 1, 2, 4 or 8, got {bits!r}')
+    seg = TUNING["scan_segment"]
+    if seg != 0 and (seg < 16 or seg & (seg - 1)):
+        raise ValueError(f'TUNING["scan_segment"] must be 0 or a power of two >= 16, got {seg!r}')
+    scores = scores.contiguous()
+    block = _pow2(n_pages, 16)
+    width = out_indices.shape[-1]
+    q = seq_lens if query is None else query  # unread without FIND_BAD
+    if q.ndim == 3 and q.stride(-1) != 1:
+        q = q.contiguous()
+    hq, d = (query.shape[1], query.shape[2]) if query is not None else (h, 1)
+    _, kernel = _kernels(interpreting())
+    kernel[(b * h,)](
+        scores, seq_lens, _flags(bad, seq_lens), q,
+        nonfinite if nonfinite is not None else seq_lens, out_indices, out_counts,
+        q.stride(0), q.stride(1) if q.ndim == 3 else 0,
+        out_indices.stride(0), out_indices.stride(1), out_counts.stride(0), out_counts.stride(1),
+        n_pages, k, n_sink, n_local,
+        HKV=h, PS=page_size, BLOCK=block, WIDTH=width, BLOCK_W=_pow2(width, 16),
+        RADIX_BITS=bits, RADIX=1 << bits, SEG=0 if seg == 0 else min(seg, block),
+        FIND_BAD=bad is None, COUNT=bad is None and nonfinite is not None,
+        G=hq // h, BLOCK_G=_pow2(hq // h, 2), D=d, BLOCK_D=_pow2(d, 16),
+        **pdl_args(scores.device, "score"),
+        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4,
+    )  # fmt: skip
