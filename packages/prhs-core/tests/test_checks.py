@@ -11,6 +11,7 @@ import torch
 from prhs_core import checks
 from prhs_core.checks import (
     check_bool_mask,
+    check_counter,
     check_device,
     check_flag,
     check_float_tensor,
@@ -167,6 +168,22 @@ def test_check_flag() -> None:
     meta = torch.zeros(1, dtype=torch.bool, device="meta")
     with pytest.raises(ValueError, match=r"on cpu \(hint\), got torch.bool .* on meta"):
         check_flag("f", meta, torch.device("cpu"), " (hint)")
+
+
+def test_check_counter() -> None:
+    check_counter("n", torch.zeros(1, dtype=torch.int64))
+    check_counter("n", torch.zeros((), dtype=torch.int64), torch.device("cpu"))
+    for bad, fragment in [
+        (torch.zeros(1, dtype=torch.int32), "int32 of shape"),
+        (torch.zeros(1, dtype=torch.bool), "bool of shape"),
+        (torch.zeros(1, 2, dtype=torch.int64), r"shape \[1, 2\]"),
+        (3, "int"),
+    ]:
+        with pytest.raises(ValueError, match=f"n must be a one-element int64 tensor.*{fragment}"):
+            check_counter("n", bad)
+    meta = torch.zeros(1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=r"on cpu \(hint\), got torch.int64 .* on meta"):
+        check_counter("n", meta, torch.device("cpu"), " (hint)")
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "check_bool_mask",
+    "check_counter",
     "check_device",
     "check_flag",
     "check_float_tensor",
@@ -90,10 +91,10 @@ def check_bool_mask(name: str, t: object, shape: Sequence[int]) -> None:
         raise ValueError(f"{name} must have shape {expected}, got {shape_str(t)}")
 
 
-def check_flag(name: str, t: object, device: torch.device | None = None, hint: str = "") -> None:
-    """Raise ``ValueError`` unless ``t`` is a one-element ``torch.bool`` tensor (on ``device``,
-    when given); ``hint`` ends the message (where such a flag comes from)."""
-    ok = isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.numel() == 1
+def _check_one_element(
+    name: str, t: object, dtype: torch.dtype, what: str, device: torch.device | None, hint: str
+) -> None:
+    ok = isinstance(t, torch.Tensor) and t.dtype == dtype and t.numel() == 1
     if ok and (device is None or t.device == device):
         return
     where = f" on {device}" if device is not None else ""
@@ -101,7 +102,19 @@ def check_flag(name: str, t: object, device: torch.device | None = None, hint: s
         got = f"{t.dtype} of shape {shape_str(t)} on {t.device}"
     else:
         got = type(t).__name__
-    raise ValueError(f"{name} must be a one-element bool tensor{where}{hint}, got {got}")
+    raise ValueError(f"{name} must be a one-element {what} tensor{where}{hint}, got {got}")
+
+
+def check_flag(name: str, t: object, device: torch.device | None = None, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``t`` is a one-element ``torch.bool`` tensor (on ``device``,
+    when given); ``hint`` ends the message (where such a flag comes from)."""
+    _check_one_element(name, t, torch.bool, "bool", device, hint)
+
+
+def check_counter(name: str, t: object, device: torch.device | None = None, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``t`` is a one-element ``torch.int64`` tensor (on ``device``,
+    when given), a counter kernels add to; ``hint`` ends the message (where it comes from)."""
+    _check_one_element(name, t, torch.int64, "int64", device, hint)
 
 
 def check_index_tensor(name: str, t: object, *, ndim: int | None = None) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.checks import check_bool_mask, check_flag, check_int, check_shape
+from prhs_core.checks import check_bool_mask, check_counter, check_flag, check_int, check_shape
 from prhs_core.layout import KVLayout
 from prhs_kernels.cis.reference import (
     anchor_union_reference,
@@ -170,16 +170,8 @@ def _check_decide_args(
         raise TypeError(
             f"tau must be a float, a [Hkv] or an [N, Hkv] tensor, got {type(tau).__name__}"
         )
-    if nonfinite is not None and (
-        not isinstance(nonfinite, torch.Tensor)
-        or nonfinite.dtype != torch.int64
-        or nonfinite.numel() != 1
-        or nonfinite.device != query.device
-    ):
-        raise ValueError(
-            "nonfinite must be a one-element int64 tensor on the query's device "
-            "(SelectorState.nonfinite)"
-        )
+    if nonfinite is not None:
+        check_counter("nonfinite", nonfinite, query.device, " (SelectorState.nonfinite)")
     if any_retrieve is not None:
         check_flag("any_retrieve", any_retrieve, query.device, " (SelectorState.retrieving)")
 

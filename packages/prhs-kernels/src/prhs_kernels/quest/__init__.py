@@ -20,6 +20,7 @@ import torch
 
 from prhs_core.checks import (
     check_bool_mask,
+    check_counter,
     check_device,
     check_float_tensor,
     check_index_tensor,
@@ -219,16 +220,8 @@ def quest_select(
                 f"{shape_str(query)}"
             )
         check_device(("scores", "query"), (scores, query))
-    if nonfinite is not None and (
-        not isinstance(nonfinite, torch.Tensor)
-        or nonfinite.dtype != torch.int64
-        or nonfinite.numel() != 1
-        or nonfinite.device != scores.device
-    ):
-        raise ValueError(
-            "nonfinite must be a one-element int64 tensor on the scores' device "
-            "(SelectorState.nonfinite)"
-        )
+    if nonfinite is not None:
+        check_counter("nonfinite", nonfinite, scores.device, " (SelectorState.nonfinite)")
     check_int("k", k, minimum=1)
     check_int("page_size", page_size, minimum=1)
     check_int("n_sink", n_sink, minimum=0)
