@@ -51,10 +51,11 @@ MAX_PAGES = 16384
 """Most pages a row may have for ``_select_kernel`` (one program holds them in registers);
 longer rows are ranked by the torch path."""
 
-TUNING = {"radix_bits": 2, "scan_segment": 128}
+TUNING = {"radix_bits": 2, "scan_segment": 128, "scores_tile": 4096, "scores_warps": 4}
 """The selection's search: bits of the ``k``-th key found a round (1, 2, 4 or 8) and the
 segment of its prefix counts (0 or a power of two >= 16), as the CIS top-k's
-(:data:`prhs_kernels.cis.triton.TUNING`)."""
+(:data:`prhs_kernels.cis.triton.TUNING`). The page scores': values of a program's
+``[pages, D]`` tile (a power of two: ``scores_tile / D`` pages a program) and its warps."""
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -264,8 +265,8 @@ def quest_page_scores_triton(
     if scores.numel() == 0:
         return scores
     block_d = _pow2(d, 16)
-    # Two [BLOCK_P, BLOCK_D] float32 tiles of about 4096 values each per program.
-    block_p = min(_pow2(n_pages, 1), max(1, 4096 // block_d))
+    # Two [BLOCK_P, BLOCK_D] float32 tiles of TUNING["scores_tile"] values each per program.
+    block_p = min(_pow2(n_pages, 1), max(1, TUNING["scores_tile"] // block_d))
     n_spans = triton.cdiv(n_pages, block_p)
     kernel, _ = _kernels(interpreting())
     kernel[(b * h * n_spans,)](
@@ -276,7 +277,7 @@ def quest_page_scores_triton(
         n_pages, n_spans, float(scaling), n_sink, n_local,
         HKV=h, G=hq // h, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PS=page_size,
         FIND_BAD=bad is None, BLOCK_G=_pow2(hq // h, 2),
-        **pdl_args(query.device, "score"), num_warps=4,
+        **pdl_args(query.device, "score"), num_warps=TUNING["scores_warps"],
     )  # fmt: skip
     return scores
 
