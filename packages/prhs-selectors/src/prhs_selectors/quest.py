@@ -8,12 +8,11 @@ import torch
 
 from prhs_core.checks import check_int
 from prhs_core.config import AttentionSpec, SelectorConfig
-from prhs_core.layout import ContiguousKV, KVLayout
+from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
 from prhs_core.plan import DecodePlan
 from prhs_core.registry import selectors
 from prhs_core.selection import Selection
 from prhs_core.state import SelectorState
-from prhs_kernels.kv import token_locations
 from prhs_kernels.quest import page_bounds, quest_page_scores, quest_select
 from prhs_kernels.score import nonfinite_rows
 from prhs_selectors.base import BaseSelector, fold_page_bounds
@@ -186,7 +185,8 @@ class Quest(BaseSelector):
     def _page_rows(self, kv: KVLayout, state: SelectorState, n_pages: int) -> torch.Tensor:
         """``[B, P]`` side-cache page row of each row's page ``j`` (read only where the page
         exists). A contiguous cache's are ``b · row_stride / page_size + j`` whatever the step:
-        one strided view of a range, kept per shape, so that a step launches nothing for them."""
+        one strided view of a range, kept per shape, so that a step launches nothing for them;
+        a paged pool's are looked up in its table (a gather and a division)."""
         p = self.config.page_size
         b = kv.batch_size
         dev = kv.seq_lens.device
@@ -198,8 +198,9 @@ class Quest(BaseSelector):
                 flat = torch.arange((b - 1) * per_row + n_pages, device=dev)
                 rows = self._rows_cache[key] = flat.as_strided((b, n_pages), (per_row, 1))
             return rows
-        first_pos = torch.arange(n_pages, device=dev) * p
-        loc = token_locations(kv, first_pos.view(1, -1).expand(b, -1), state.row_stride)
-        side = state.side
-        assert side is not None
-        return side.pages_of(loc)
+        # A paged pool: the slot of each page's first position, through the request's table
+        # row (a Quest page is one run of slots), over the page size. Where a page does not
+        # exist the entry is whatever the table holds: it is never read.
+        assert isinstance(kv, PagedKV)
+        first = kv.req_to_token[:, ::p][:, :n_pages]  # [R, P] views of the table
+        return first[kv.req_pool_indices.long()] // p
