@@ -203,4 +203,4 @@ class Quest(BaseSelector):
         # exist the entry is whatever the table holds: it is never read.
         assert isinstance(kv, PagedKV)
         first = kv.req_to_token[:, ::p][:, :n_pages]  # [R, P] views of the table
-        return first[kv.req_pool_indices.long()] // p
+        return first[kv.req_pool_indices] // p  # int32 indices index as they are

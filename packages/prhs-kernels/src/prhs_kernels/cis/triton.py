@@ -38,7 +38,13 @@ from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
-from prhs_kernels.topk.triton import order_key, prefix_count, take_top
+from prhs_kernels.topk.triton import (
+    order_key,
+    prefix_count,
+    search_constants,
+    search_warps,
+    take_top,
+)
 
 __all__ = [
     "TOPK_CHUNK",
@@ -1134,14 +1140,7 @@ def top_blocks_triton(
     val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
     block_k = _pow2(k, 2)
     *_, topk = _kernels(interpreting())
-    bits = TUNING["topk_radix_bits"]
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f'TUNING["topk_radix_bits"] must be 1, 2, 4 or 8, got {bits!r}')
-    seg = TUNING["topk_scan_segment"]
-    if seg != 0 and (seg < 16 or seg & (seg - 1)):
-        raise ValueError(
-            f'TUNING["topk_scan_segment"] must be 0 or a power of two >= 16, got {seg!r}'
-        )
+    search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", 16)  # checked up front
     # Each pass but the last keeps each chunk's top k by position (so a row's candidates stay
     # in position order and ties toward the lower id); the last sorts and reports the ids.
     # Rows may be padded (a row stride that is a multiple of 16 lets the loads be vectorised:
@@ -1169,7 +1168,7 @@ def top_blocks_triton(
         kernel[(rows, chunks)](
             values, ids, flags, out_idx, out_val, scratch, length, stride, k, chunk, chunks,
             BLOCK=block, BLOCK_K=block_k, HAS_IDX=has_ids, SORT=last and sort,
-            RADIX_BITS=bits, RADIX=1 << bits, SEG=_scan_segment(block), **extra,
+            **search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", block), **extra,
             **pdl_args(dev, "cis"), num_warps=_topk_warps(block, last),
         )  # fmt: skip
         values, ids, has_ids, stride = out_val, out_idx, True, chunks * k
@@ -1194,10 +1193,9 @@ def _topk_compose_jit(interpret: bool) -> object:
 
 
 def _topk_warps(block: int, sort: bool) -> int:
-    """Warps of a top-k program: at most 32 keys per thread (an H200, 13 rows of 16384 keys in
-    registers: 50 µs at 16 warps, 72 at 8; 8192 keys: 26 µs at 8, 29 at 16); at least
+    """Warps of a top-k program (:func:`~prhs_kernels.topk.triton.search_warps`); at least
     ``TUNING["topk_sort_warps"]`` for the last pass, which also sorts the winners."""
-    warps = 16 if block >= 16384 else 8 if block >= 4096 else 4
+    warps = search_warps(block)
     return max(warps, TUNING["topk_sort_warps"]) if sort else warps
 
 

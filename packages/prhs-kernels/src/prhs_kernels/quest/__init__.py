@@ -167,7 +167,7 @@ def quest_page_scores(
 def quest_select(
     scores: torch.Tensor,
     seq_lens: torch.Tensor,
-    bad: torch.Tensor,
+    bad: torch.Tensor | None,
     k: int,
     *,
     page_size: int,

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
-from prhs_kernels.topk.triton import order_key, take_top
+from prhs_kernels.topk.triton import order_key, search_constants, search_warps, take_top
 
 __all__ = [
     "MAX_PAGES",
@@ -307,30 +307,23 @@ def quest_select_triton(
     b, h, n_pages = scores.shape
     if b * h == 0:
         return
-    bits = TUNING["radix_bits"]
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f'TUNING["radix_bits"] must be 1, 2, 4 or 8, got {bits!r}')
-    seg = TUNING["scan_segment"]
-    if seg != 0 and (seg < 16 or seg & (seg - 1)):
-        raise ValueError(f'TUNING["scan_segment"] must be 0 or a power of two >= 16, got {seg!r}')
-    scores = scores.contiguous()
     block = _pow2(n_pages, 16)
+    search = search_constants(TUNING, "radix_bits", "scan_segment", block)
+    scores = scores.contiguous()
     width = out_indices.shape[-1]
-    q = seq_lens if query is None else query  # unread without FIND_BAD
-    if q.ndim == 3 and q.stride(-1) != 1:
-        q = q.contiguous()
-    hq, d = (query.shape[1], query.shape[2]) if query is not None else (h, 1)
+    if query is None:  # rows marked by ``bad``: the query is not read
+        q, strides, g, d = seq_lens, (0, 0), 1, 1
+    else:
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        strides, g, d = (q.stride(0), q.stride(1)), q.shape[1] // h, q.shape[2]
     _, kernel = _kernels(interpreting())
     kernel[(b * h,)](
         scores, seq_lens, _flags(bad, seq_lens), q,
-        nonfinite if nonfinite is not None else seq_lens, out_indices, out_counts,
-        q.stride(0), q.stride(1) if q.ndim == 3 else 0,
+        nonfinite if nonfinite is not None else seq_lens, out_indices, out_counts, *strides,
         out_indices.stride(0), out_indices.stride(1), out_counts.stride(0), out_counts.stride(1),
         n_pages, k, n_sink, n_local,
-        HKV=h, PS=page_size, BLOCK=block, WIDTH=width, BLOCK_W=_pow2(width, 16),
-        RADIX_BITS=bits, RADIX=1 << bits, SEG=0 if seg == 0 else min(seg, block),
+        HKV=h, PS=page_size, BLOCK=block, WIDTH=width, BLOCK_W=_pow2(width, 16), **search,
         FIND_BAD=bad is None, COUNT=bad is None and nonfinite is not None,
-        G=hq // h, BLOCK_G=_pow2(hq // h, 2), D=d, BLOCK_D=_pow2(d, 16),
-        **pdl_args(scores.device, "score"),
-        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4,
+        G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16),
+        **pdl_args(scores.device, "score"), num_warps=search_warps(block),
     )  # fmt: skip
