@@ -256,3 +256,60 @@ def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
     own = per_layer(None)
     extra = {k for k, v in got.items() if v > own.get(k, 0) and "view" not in k}
     assert extra <= {"aten.zeros_like.default", "aten.select.int", "aten.unsqueeze.default"}, extra
+
+
+def test_an_unchecked_decode_step_writes_the_new_tokens_in_place(monkeypatch):
+    """A selector with side caches (Quest) is handed each layer's whole cache and the rows'
+    columns -- found once per forward -- instead of a gather of the new keys and values per
+    layer: a layer's write adds no op to the step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import prhs_eval.integration as integration
+    from prhs_eval.throughput import _fill, _static_cache, model_config, random_model
+
+    monkeypatch.setattr(
+        integration, "sparse_decode_attention", lambda q, *a, **k: (torch.zeros_like(q), None)
+    )
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def step(layers: int) -> tuple[dict[str, int], list]:
+        model = random_model(model_config("tiny", layers=layers), "cpu", torch.float32)
+        cache = _static_cache(model, 2, 64, torch.device("cpu"))
+        _fill(cache, 40, 0)
+        runtime = prhs_eval.enable(
+            model, "quest", max_seq_len=64, checked=False, budget=16, page_size=4, dense_layers=0
+        )
+        runtime.attach(cache, 2)
+        runtime.selector.select = lambda *a, **k: None
+        writes: list = []
+        runtime.selector.write_kv = lambda state, layer, loc, k, v, **kw: writes.append(
+            (layer, loc, k, kw, state.row_stride)
+        )
+        tokens = torch.zeros(2, 1, dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(2):
+                model(input_ids=tokens, past_key_values=cache)
+            writes.clear()
+            with Count() as count:
+                model(input_ids=tokens, past_key_values=cache)
+        runtime.disable()
+        return count.ops, writes
+
+    (few, _), (many, writes) = step(2), step(4)
+    assert [w[0] for w in writes] == [0, 1, 2, 3]
+    for layer, loc, k, kw, _ in writes:
+        assert k.shape == (2, k.shape[1], 64, k.shape[-1]) and k.shape[1] >= 1, layer
+        assert kw["columns"] is writes[0][3]["columns"] and loc is writes[0][1]
+    _, loc, _, kw, stride = writes[0]
+    assert kw["columns"].tolist() == [42, 42] and loc.tolist() == [42, stride + 42]
+    more = {k for k in set(many) | set(few) if many.get(k, 0) > few.get(k, 0)}
+    # (index_copy_ is the static cache's own write of the new K/V.)
+    assert not {k for k in more if k.startswith(("aten.index.", "aten.gather"))}, more

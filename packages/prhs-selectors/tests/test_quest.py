@@ -332,3 +332,73 @@ def test_a_sparse_layer_on_a_triton_path_is_two_launches(
         assert set(ops) <= views, ops
     else:
         assert set(ops) <= views | {"_to_copy", "index", "floor_divide"}, ops
+
+
+def _write_step(sim, quest, state, layer):
+    """Write each row's newest position of ``layer`` from the cache in place (the columns a
+    transformers static cache writes at), as the integration's decode step does."""
+    kv = sim.kv(layer)
+    last = (kv.seq_lens - 1).long()
+    loc = sim.locations(state.row_stride)[torch.arange(sim.batch_size), last]
+    cols = last + kv.start
+    quest.write_kv(state, layer, loc, kv.k, kv.v, columns=cols)
+    rows = torch.arange(sim.batch_size)
+    return loc, kv.k[rows, :, cols], kv.v[rows, :, cols]
+
+
+def test_a_decode_write_from_the_cache_equals_the_write_of_its_rows(make_sim) -> None:
+    """Keys read in place at the rows' columns fold as the same keys given as rows; a
+    non-finite one is counted once either way."""
+    sim = make_sim(
+        [37, 29, 16], num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, max_new_tokens=2
+    )
+    n1 = int(sim.lengths[1])
+    sim.keys[1][1, 0, n1, 3] = float("nan")
+    states = []
+    for _ in ("columns", "rows"):
+        quest = Quest(QuestConfig(budget=8, page_size=4, dense_layers=0, n_local=2))
+        states.append((quest, sim.attach(quest, checked=False)))
+    sim.lengths = sim.lengths + 1  # the new token is in the logical data: write it both ways
+    (q_cols, s_cols), (q_rows, s_rows) = states
+    for layer in range(sim.spec.num_layers):
+        loc, key, value = _write_step(sim, q_cols, s_cols, layer)
+        q_rows.write_kv(s_rows, layer, loc, key, value)
+    assert s_cols.nonfinite_count() == s_rows.nonfinite_count() == 1
+    for name in ("quest_kmin", "quest_kmax"):
+        assert torch.equal(s_cols.side[name][:-1], s_rows.side[name][:-1]), name
+
+
+def test_a_decode_write_on_a_triton_path_is_one_launch(make_sim, monkeypatch) -> None:
+    """The new tokens' keys are read in place, checked, counted and folded by one launch: no
+    gather, no finiteness check, no scatter in torch."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.jit import JITFunction
+
+    sim = make_sim(
+        [300, 129], num_q_heads=8, num_kv_heads=2, head_dim=16, num_layers=2, dtype=torch.bfloat16
+    )
+    quest = Quest(QuestConfig(budget=64, page_size=16, dense_layers=1))
+    state = sim.attach(quest, stats=False, checked=False)
+    monkeypatch.setattr(quest, "kernel_path", lambda device, dtype: "triton")
+    kv = sim.kv(1)
+    loc = sim.locations(state.row_stride)[:, 0].contiguous()
+    cols = torch.zeros(sim.batch_size, dtype=torch.int32)
+    launches: list[str] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(self.fn.__name__)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    ops: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        quest.write_kv(state, 1, loc, kv.k, kv.v, columns=cols)
+        quest.write_kv(state, 0, loc, kv.k, kv.v, columns=cols)  # a dense layer: nothing
+    assert launches == ["_fold_kernel"]
+    assert set(ops) <= {"select", "slice", "alias", "view", "detach", "as_strided"}, ops

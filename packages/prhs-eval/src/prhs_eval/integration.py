@@ -281,6 +281,7 @@ class PrhsRuntime:
         # kernels take): found at a forward's first full layer, shared by the others.
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows32: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._new_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prompt_rows: list[tuple[int, int]] | None = None
         self.enabled = False
 
@@ -440,6 +441,20 @@ class PrhsRuntime:
             checked=self._checked(kv.k.device),
         )
 
+    def _write_new_tokens(self, held: _CacheState, layer: int, kv: ContiguousKV) -> None:
+        """A decode step's write: each row's new token (its last position) to the side caches,
+        read in place from the cache (no gather). Its locations and cache columns are the same
+        at every layer: found once per forward."""
+        if self._new_tokens is None:
+            last = (kv.seq_lens - 1).view(-1, 1)
+            loc = token_locations(kv, last, held.state.row_stride).view(-1)  # -1: an empty row
+            col = last.view(-1) if kv.start is None else last.view(-1) + kv.start
+            self._new_tokens = (loc, col)
+        loc, col = self._new_tokens
+        self.selector.write_kv(
+            held.state, layer, loc, kv.k, kv.v, checked=self._checked(kv.k.device), columns=col
+        )
+
     @staticmethod
     def _all_positions(kv: ContiguousKV) -> torch.Tensor:
         """``[B, T]`` every logical position of each row (``-1`` past its length)."""
@@ -460,6 +475,7 @@ class PrhsRuntime:
         else:
             self._fresh_prefill = int(past.get_seq_length()) == 0
         self._rows = self._rows32 = None
+        self._new_tokens = None
         self._prompt_rows = None
         mask = kwargs.get("attention_mask")
         self._row_mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
@@ -536,6 +552,7 @@ class PrhsRuntime:
                 self._rows32 = (self._rows[0].to(torch.int32), self._rows[1].to(torch.int32))
             else:  # an unchecked step: int32 bounds in one launch; the int64 ones go unused
                 self._rows = self._rows32 = row_bounds(last_row, key.dtype)
+            self._new_tokens = None
         start, lens = self._rows
         start32, lens32 = self._rows32
         kv = ContiguousKV(key, value, lens32, start32)
@@ -588,7 +605,7 @@ class PrhsRuntime:
         if layer not in held.written:
             self._write_kv(held, layer, kv, self._all_positions(kv))
         elif self._keeps_kv(held, query.device):
-            self._write_kv(held, layer, kv, (lens - 1).view(-1, 1))
+            self._write_new_tokens(held, layer, kv)
         kv = ContiguousKV(key, value, plan.seq_lens, start32)
         q = query[:, :, 0]
         selection = self.selector.select(plan, layer, q, kv, held.state)

@@ -220,3 +220,58 @@ def test_both_launches_find_the_bad_rows_themselves(make_kv):
     quest_select(found, data.seq_lens, None, 8, **kw, out_indices=want, out_counts=want_cnt,
                  query=query, nonfinite=nonfinite_t)  # fmt: skip
     assert torch.equal(out, want) and int(nonfinite_t) == 3
+
+
+# -- the fold of written keys into the page bounds --------------------------------------------
+# (KV locations, Hkv, D, page size, non-finite rows, columns of a cache of T, or None)
+FOLD_CASES = [
+    ([5, 8, 17, -1, 40], 2, 8, 4, (), None),  # a decode step: a row a page, one writes nowhere
+    ([9, 8, 10, 11, 3, 33, 32], 2, 8, 4, (1, 3), None),  # a page's rows out of order
+    ([9, 8, 10, 11, 3, 33, 32], 3, 20, 4, (2,), None),  # Hkv and D not powers of two
+    ([5, 8, 17, -1, 40, 41], 2, 8, 4, (0,), ([3, 0, 7, 2, -1, 9], 8)),  # columns, two outside
+    ("perm300", 4, 32, 16, (5, 17), None),  # 300 locations in random order, pages of 16
+    ("all64", 1, 128, 4, (0, 8, 9), None),  # a whole prompt: first locations not finite
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("int32", [False, True], ids=["int64", "int32"])
+@pytest.mark.parametrize(("locs", "hkv", "d", "p", "bad", "cols"), FOLD_CASES)
+def test_fold_matches_the_reference(dtype, int32, locs, hkv, d, p, bad, cols):
+    from prhs_kernels.quest import fold_page_bounds
+
+    gen = torch.Generator().manual_seed(len(str(locs)) + d)
+    if locs == "perm300":
+        locs = torch.randperm(4096, generator=gen)[:300].tolist()
+    elif locs == "all64":
+        locs = list(range(64))
+    n, n_loc = len(locs), max(locs) + 1
+    rows = -(-n_loc // p) + 1
+    base_lo = torch.randn(rows, 3, hkv, d, generator=gen).to(dtype)
+    base_hi = base_lo + 1.0
+    loc = torch.tensor(locs, dtype=torch.int32 if int32 else torch.int64)
+    kw = {}
+    if cols is None:
+        key = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        for r in bad:
+            key[r, 0, 1] = float("nan")
+    else:
+        cols, t = cols
+        key = torch.randn(n, t, hkv, d, generator=gen).to(dtype).transpose(1, 2)  # strided
+        for r in bad:
+            key[r, 0, cols[r], 1] = float("inf")
+        kw["columns"] = torch.tensor(cols, dtype=torch.int32)
+    got = []
+    for path in ("torch", PATH):
+        lo, hi = base_lo.clone(), base_hi.clone()
+        count = torch.zeros(1, dtype=torch.int64)
+        fold_page_bounds(
+            lo[:, 1], hi[:, 1], loc, key, page_size=p, nonfinite=count, path=path, **kw
+        )
+        got.append((lo, hi, count))
+    (lo_t, hi_t, n_t), (lo_k, hi_k, n_k) = got
+    assert int(n_t) == len(bad) and torch.equal(n_t, n_k)
+    assert torch.equal(lo_t[:-1], lo_k[:-1]) and torch.equal(hi_t[:-1], hi_k[:-1])
+    # The other layers' rows are untouched.
+    assert torch.equal(lo_k[:, [0, 2]], base_lo[:, [0, 2]])
+    assert torch.equal(hi_k[:, [0, 2]], base_hi[:, [0, 2]])

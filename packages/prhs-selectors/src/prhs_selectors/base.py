@@ -43,6 +43,8 @@ from prhs_kernels.blocks import block_reduce
 from prhs_kernels.cis.reference import block_eligible_reference, window_block_mask_reference
 from prhs_kernels.compose import union_indices, window_indices, window_widths
 from prhs_kernels.paths import kernel_path
+from prhs_kernels.quest import fold_page_bounds as fold_page_bounds_kernel
+from prhs_kernels.quest.reference import written_rows
 from prhs_kernels.score import check_query, nonfinite_rows, retrieval_probs
 from prhs_kernels.topk import topk_indices
 
@@ -71,28 +73,25 @@ def fold_page_bounds(
     row: int,
     locations: torch.Tensor,
     key: torch.Tensor,
-    finite: torch.Tensor,
+    finite: torch.Tensor | None,
+    *,
+    columns: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+    path: str = "torch",
 ) -> None:
     """Fold keys into the per-page channel minima and maxima of side fields ``min_field`` /
-    ``max_field`` (shape ``[pages + 1, rows, Hkv, D]``; ``row``: the layer's row).
-
-    ``locations [N]`` int64 (``-1``: none), ``key [N, Hkv, D]``, ``finite [N]``. A page's first
-    location resets it (so no stale metadata survives the page's reuse); later ones fold in. A
-    non-finite key resets its page but is not folded in. Exact in the cache dtype: a minimum or
-    maximum of cached values is a cached value.
+    ``max_field`` (shape ``[pages + 1, rows, Hkv, D]``; ``row``: the layer's row), through
+    :func:`prhs_kernels.quest.fold_page_bounds` (its arguments: ``locations [N]``, ``-1`` for
+    none; ``key [N, Hkv, D]``, or a cache ``[N, Hkv, T, D]`` read at ``columns [N]``;
+    ``finite [N]``, or ``None`` to find the non-finite keys there and count them into
+    ``nonfinite``). A page's first location resets it (so no stale metadata survives the
+    page's reuse); later ones fold in. A non-finite key resets its page but is not folded in.
+    Exact in the cache dtype: a minimum or maximum of cached values is a cached value.
     """
-    kmin = side[min_field][:, row]  # [P + 1, Hkv, D], a view
-    kmax = side[max_field][:, row]
-    page = side.pages_of(locations)
-    first = torch.where(
-        (locations >= 0) & (locations % side.page_size == 0), page, side.scratch_page
-    )
-    kmin.index_fill_(0, first, float("inf"))
-    kmax.index_fill_(0, first, float("-inf"))
-    k = key.to(kmin.dtype)
-    at = torch.where(finite, page, side.scratch_page).view(-1, 1, 1).expand_as(k)
-    kmin.scatter_reduce_(0, at, k, "amin", include_self=True)
-    kmax.scatter_reduce_(0, at, k, "amax", include_self=True)
+    fold_page_bounds_kernel(
+        side[min_field][:, row], side[max_field][:, row], locations, key,
+        page_size=side.page_size, columns=columns, finite=finite, nonfinite=nonfinite, path=path,
+    )  # fmt: skip
 
 
 class BaseSelector:
@@ -333,34 +332,68 @@ class BaseSelector:
         value: torch.Tensor,
         *,
         checked: bool = False,
+        columns: torch.Tensor | None = None,
     ) -> None:
         """The host wrote ``key [n, Hkv, D]`` / ``value [n, Hkv, Dv]`` at KV ``locations [n]``
-        (int, distinct; ``-1`` for none): update the side caches. Non-finite key rows are
-        skipped and counted, or raise with ``checked=True`` (a host read, which also checks
-        that every location exists)."""
+        (int, distinct; ``-1`` for none): update the side caches. With ``columns [n]``, ``key``
+        / ``value`` are caches ``[n, Hkv, T, D]`` / ``[n, Hkv, T, Dv]`` whose row ``i`` holds
+        what was written at column ``columns[i]`` (a decode step's new tokens, read in place; a
+        column outside ``[0, T)`` writes nothing). Non-finite key rows are skipped and counted,
+        or raise with ``checked=True`` (a host read, which also checks that every location
+        exists)."""
         spec = self._spec()
         check_int("layer", layer, minimum=0)
         if layer >= spec.num_layers:
             raise ValueError(f"layer {layer} is out of range for {spec.num_layers} layers")
         check_index_tensor("locations", locations, ndim=1)
-        check_float_tensor("key", key, ndim=3)
-        check_float_tensor("value", value, ndim=3)
+        ndim = 3 if columns is None else 4
+        check_float_tensor("key", key, ndim=ndim)
+        check_float_tensor("value", value, ndim=ndim)
         n = locations.shape[0]
         if key.shape[0] != n or value.shape[0] != n or key.shape[1] != spec.num_kv_heads:
+            what = "[n, Hkv, D] and value [n, Hkv, Dv]"
+            if columns is not None:
+                what = "[n, Hkv, T, D] and value [n, Hkv, T, Dv]"
             raise ValueError(
-                f"key [n, Hkv, D] and value [n, Hkv, Dv] must have n={n} rows (one per location) "
-                f"and Hkv={spec.num_kv_heads}, got {list(key.shape)} and {list(value.shape)}"
+                f"key {what} must have n={n} rows (one per location) and "
+                f"Hkv={spec.num_kv_heads}, got {list(key.shape)} and {list(value.shape)}"
             )
+        if columns is not None:
+            check_index_tensor("columns", columns, ndim=1)
+            if columns.shape[0] != n or value.shape[2] != key.shape[2]:
+                raise ValueError(
+                    f"columns [n={n}] and the caches' lengths must match, got columns "
+                    f"{list(columns.shape)}, key {list(key.shape)}, value {list(value.shape)}"
+                )
         if checked:
+            if columns is not None:  # a host read anyway: check the rows as written
+                written, key = written_rows(locations, key, columns)
+                _, value = written_rows(locations, value, columns)
+                locations = torch.where(written, locations, -1)
+                columns = None
             check_values_finite("key", key, where=f" (layer {layer})")
             if state.side is not None:
                 last = state.side.num_locations - 1
                 check_in_range("locations", locations, -1, last, "the side cache's (-1: none)")
         if state.side is None or layer not in spec.selectable_layers:
             return
+        if self.counts_nonfinite_keys():
+            self.write_side(state, layer, locations, key, value, None, columns=columns)
+            return
+        if columns is not None:
+            written, key = written_rows(locations, key, columns)
+            _, value = written_rows(locations, value, columns)
+            locations = torch.where(written, locations, -1)
         finite = torch.isfinite(key).flatten(1).all(-1)  # [n]
         state.nonfinite.add_((~finite & (locations >= 0)).sum())
         self.write_side(state, layer, locations.long(), key, value, finite)
+
+    def counts_nonfinite_keys(self) -> bool:
+        """Whether :meth:`write_side` takes a write as the host made it and finds and counts
+        its non-finite keys itself (in its own launch on a Triton path): then it is passed
+        ``finite=None``, ``locations`` of any integer dtype, and the caches with ``columns``
+        where the host gave them."""
+        return False
 
     def write_side(
         self,
@@ -369,10 +402,13 @@ class BaseSelector:
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        finite: torch.Tensor,
+        finite: torch.Tensor | None,
+        *,
+        columns: torch.Tensor | None = None,
     ) -> None:
         """Update the side cache (selectors that keep one): reset ``locations`` (``-1``: none)
-        and fold in the key rows that are ``finite``."""
+        and fold in the key rows that are ``finite`` (``None`` and ``columns``: see
+        :meth:`counts_nonfinite_keys`)."""
 
     def check_prompt_observation(
         self,

@@ -455,6 +455,10 @@ class CIS(BaseSelector):
         """The per-page certificate keeps each page's key minima and maxima."""
         return self.config.page_certified
 
+    def counts_nonfinite_keys(self) -> bool:
+        # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
+        return True
+
     def write_side(
         self,
         state: SelectorState,
@@ -462,10 +466,16 @@ class CIS(BaseSelector):
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        finite: torch.Tensor,
+        finite: torch.Tensor | None,
+        *,
+        columns: torch.Tensor | None = None,
     ) -> None:
         assert state.side is not None
-        fold_page_bounds(state.side, "cis_kmin", "cis_kmax", layer, locations, key, finite)
+        fold_page_bounds(
+            state.side, "cis_kmin", "cis_kmax", layer, locations, key, finite, columns=columns,
+            nonfinite=state.nonfinite if finite is None else None,
+            path=self.kernel_path(key.device, key.dtype),
+        )  # fmt: skip
 
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
         n_l, h, g, d = spec.num_layers, spec.num_kv_heads, spec.group_size, spec.head_dim

@@ -115,6 +115,10 @@ class Quest(BaseSelector):
         state.side.add_page_field("quest_kmin", shape, kv_dtype, float("inf"))
         state.side.add_page_field("quest_kmax", shape, kv_dtype, float("-inf"))
 
+    def counts_nonfinite_keys(self) -> bool:
+        # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
+        return True
+
     def write_side(
         self,
         state: SelectorState,
@@ -122,14 +126,20 @@ class Quest(BaseSelector):
         locations: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        finite: torch.Tensor,
+        finite: torch.Tensor | None,
+        *,
+        columns: torch.Tensor | None = None,
     ) -> None:
         row = layer - self.config.dense_layers
-        if row < 0:
+        if row < 0:  # a dense layer keeps no pages (its keys are neither stored nor counted)
             return
         side = state.side
         assert side is not None
-        fold_page_bounds(side, "quest_kmin", "quest_kmax", row, locations, key, finite)
+        fold_page_bounds(
+            side, "quest_kmin", "quest_kmax", row, locations, key, finite, columns=columns,
+            nonfinite=state.nonfinite if finite is None else None,
+            path=self.kernel_path(key.device, key.dtype),
+        )  # fmt: skip
 
     def select_layer(
         self,

@@ -31,6 +31,7 @@ from prhs_core.checks import (
 from prhs_kernels.compose.reference import window_widths
 from prhs_kernels.paths import announce
 from prhs_kernels.quest.reference import (
+    fold_page_bounds_reference,
     page_bounds,
     quest_page_scores_reference,
     quest_select_reference,
@@ -38,6 +39,8 @@ from prhs_kernels.quest.reference import (
 from prhs_kernels.score.reference import nonfinite_rows
 
 __all__ = [
+    "fold_page_bounds",
+    "fold_page_bounds_reference",
     "page_bounds",
     "quest_page_scores",
     "quest_page_scores_reference",
@@ -262,3 +265,80 @@ def quest_select(
         if nonfinite is not None:
             nonfinite.add_(bad.sum())
     quest_select_reference(scores, seq_lens, bad, *args[3:])
+
+
+def fold_page_bounds(
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    locations: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    page_size: int,
+    columns: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+    path: str = "torch",
+) -> None:
+    """Fold the keys a host wrote into the per-page key minima and maxima Quest's scores read.
+
+    ``kmin`` / ``kmax`` ``[R, Hkv, D]`` (one layer's side-cache fields, written in place: strided
+    views such as ``side["quest_kmin"][:, layer]`` are fine) hold page row ``location //
+    page_size``; the last row, ``R - 1``, is scratch. ``locations [N]`` (any integer dtype,
+    ``-1``: none) are the KV locations written, distinct. ``key`` is ``[N, Hkv, D]`` (row ``i``
+    written at ``locations[i]``) or, with ``columns [N]``, a cache ``[N, Hkv, T, D]`` whose row
+    ``i`` holds its key at column ``columns[i]`` (e.g. a decode step's new token, read in place:
+    no gather); a column outside ``[0, T)`` means the row is not written.
+
+    A page whose first location is written is reset (no metadata of an earlier sequence
+    survives its reuse); every written row whose whole ``[Hkv, D]`` key is finite folds in; a
+    non-finite key resets its page but is not folded. ``finite [N]`` bool says which keys are
+    finite; ``None``: found here, and the written rows whose key is not are counted into
+    ``nonfinite`` (one int64 element, :attr:`prhs_core.state.SelectorState.nonfinite`) when
+    given. Exact in the fields' dtype (a minimum of cached values is a cached value).
+
+    On a Triton path (``finite`` ``None``, writes of up to
+    :data:`prhs_kernels.quest.triton.FOLD_MAX_ROWS` rows, as a decode step's) one launch: a
+    program per row checks its key and counts it, and each page's first written row folds the
+    page's rows -- so rows of one page may come in any order. Other writes (a prompt's) take
+    the torch path (:func:`.reference.fold_page_bounds_reference`). The scratch row is
+    whatever either path leaves there.
+    """
+    check_float_tensor("kmin", kmin, ndim=3)
+    check_float_tensor("kmax", kmax, ndim=3)
+    if kmin.shape != kmax.shape or kmin.dtype != kmax.dtype:
+        raise ValueError(
+            f"kmin and kmax must share a shape [R, Hkv, D] and a dtype, got {shape_str(kmin)} "
+            f"{kmin.dtype} and {shape_str(kmax)} {kmax.dtype}"
+        )
+    rows, h, d = kmin.shape
+    if rows < 1:
+        raise ValueError(f"kmin / kmax [R, Hkv, D] need at least the scratch row, got R={rows}")
+    check_index_tensor("locations", locations, ndim=1)
+    n = locations.shape[0]
+    if columns is None:
+        check_float_tensor("key", key, ndim=3)
+        check_shape("key", key, (n, h, d), "[N, Hkv, D]")
+    else:
+        check_float_tensor("key", key, ndim=4)
+        check_index_tensor("columns", columns, ndim=1)
+        check_shape("key", key, (n, h, None, d), "[N, Hkv, T, D]")
+        check_shape("columns", columns, (n,), "[N]")
+        check_device(("key", "columns"), (key, columns))
+    check_int("page_size", page_size, minimum=1)
+    if finite is not None:
+        check_bool_mask("finite", finite, (n,))
+        check_device(("key", "finite"), (key, finite))
+    if nonfinite is not None:
+        check_counter("nonfinite", nonfinite, key.device, " (SelectorState.nonfinite)")
+    check_device(("kmin", "kmax", "locations", "key"), (kmin, kmax, locations, key))
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path.startswith("triton") and finite is None:
+        from prhs_kernels.quest.triton import fold_fits, fold_page_bounds_triton
+
+        if fold_fits(n, h, d):
+            announce("fold_page_bounds", path, key.device)
+            fold_page_bounds_triton(kmin, kmax, locations, key, page_size, columns, nonfinite)
+            return
+    announce("fold_page_bounds", "torch", key.device)
+    fold_page_bounds_reference(kmin, kmax, locations, key, page_size, columns, finite, nonfinite)

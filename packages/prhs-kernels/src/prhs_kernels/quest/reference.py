@@ -16,7 +16,13 @@ from prhs_kernels.compose.reference import window_indices_reference
 from prhs_kernels.score.reference import nonfinite_rows
 from prhs_kernels.topk import topk_indices
 
-__all__ = ["page_bounds", "quest_page_scores_reference", "quest_select_reference"]
+__all__ = [
+    "fold_page_bounds_reference",
+    "page_bounds",
+    "quest_page_scores_reference",
+    "quest_select_reference",
+    "written_rows",
+]
 
 
 def page_bounds(
@@ -114,3 +120,56 @@ def quest_select_reference(
     sink, local = window_indices_reference(seq_lens, n_sink, n_local, page_size)
     n_blocks = (seq_lens + (page_size - 1)) // page_size
     union_indices([sink, top, local], n_blocks, out_indices, out_counts)
+
+
+def written_rows(
+    locations: torch.Tensor, key: torch.Tensor, columns: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(written [N] bool, rows [N, Hkv, D])``: which of a write's rows land somewhere, and
+    their keys. A row is written where its location is not ``-1`` and, with ``columns`` (``key``
+    then ``[N, Hkv, T, D]``, row ``i``'s key at column ``columns[i]``), its column lies in
+    ``[0, T)``; the keys of the other rows are whatever the key holds (never used)."""
+    written = locations >= 0
+    if columns is None:
+        return written, key
+    t = key.shape[2]
+    written = written & (columns >= 0) & (columns < t)
+    col = columns.long().clamp(0, t - 1)
+    return written, key[torch.arange(key.shape[0], device=key.device), :, col]
+
+
+def fold_page_bounds_reference(
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    locations: torch.Tensor,
+    key: torch.Tensor,
+    page_size: int,
+    columns: torch.Tensor | None = None,
+    finite: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+) -> None:
+    """Fold written keys into the page minima and maxima ``kmin`` / ``kmax`` ``[R, Hkv, D]``
+    (page row ``location // page_size``; the last row, ``R - 1``, is scratch).
+
+    A page whose first location is written is reset first (so nothing of an earlier sequence
+    survives its reuse); then every written row whose key is finite folds in. A non-finite key
+    still resets its page but is not folded in. ``finite [N]`` bool gives which keys are finite;
+    ``None``: found here (a row is finite when its whole ``[Hkv, D]`` key is), and the written
+    rows that are not are counted into ``nonfinite`` when given. Exact in the fields' dtype.
+    Rows that are not written (:func:`written_rows`) go to the scratch row.
+    """
+    written, rows = written_rows(locations, key, columns)
+    if finite is None:
+        finite = torch.isfinite(rows).flatten(1).all(-1)
+        if nonfinite is not None:
+            nonfinite.add_((~finite & written).sum())
+    scratch = kmin.shape[0] - 1
+    loc = locations.long()
+    page = torch.where(written, loc // page_size, scratch)
+    first = torch.where(written & (loc % page_size == 0), page, scratch)
+    kmin.index_fill_(0, first, float("inf"))
+    kmax.index_fill_(0, first, float("-inf"))
+    k = rows.to(kmin.dtype)
+    at = torch.where(finite & written, page, scratch).view(-1, 1, 1).expand_as(k)
+    kmin.scatter_reduce_(0, at, k, "amin", include_self=True)
+    kmax.scatter_reduce_(0, at, k, "amax", include_self=True)

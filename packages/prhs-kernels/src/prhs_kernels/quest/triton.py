@@ -40,12 +40,23 @@ from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.topk.triton import order_key, search_constants, search_warps, take_top
 
 __all__ = [
+    "FOLD_MAX_KEY",
+    "FOLD_MAX_ROWS",
     "MAX_PAGES",
     "TUNING",
+    "fold_fits",
+    "fold_page_bounds_triton",
     "quest_page_scores_triton",
     "quest_select_fits",
     "quest_select_triton",
 ]
+
+FOLD_MAX_ROWS = 4096
+"""Most rows one :func:`fold_page_bounds_triton` launch folds (a decode step writes one a
+sequence); longer writes (a prompt's) take the torch path."""
+
+FOLD_MAX_KEY = 16384
+"""Most values of a ``[Hkv, D]`` key (padded to powers of two) a fold program holds."""
 
 MAX_PAGES = 16384
 """Most pages a row may have for ``_select_kernel`` (one program holds them in registers);
@@ -223,10 +234,94 @@ def _select_kernel(
     tl.store(SEL_CNT + b * stride_cb + h * stride_ch, count)
 
 
+def _fold_kernel(
+    KMIN,
+    KMAX,
+    LOC,
+    KEY,
+    COL,
+    NONFINITE,
+    n,
+    n_cols,
+    stride_kn,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_lo_r,
+    stride_lo_h,
+    stride_lo_d,
+    stride_hi_r,
+    stride_hi_h,
+    stride_hi_d,
+    PS: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_COL: tl.constexpr,
+    COUNT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    i = tl.program_id(0)  # the write's row
+    offs_n = tl.arange(0, BLOCK_N)
+    locs = tl.load(LOC + offs_n, mask=offs_n < n, other=-1).to(tl.int64)
+    if HAS_COL:
+        cols = tl.load(COL + offs_n, mask=offs_n < n, other=-1).to(tl.int64)
+        locs = tl.where((cols >= 0) & (cols < n_cols), locs, -1)
+    loc = tl.max(tl.where(offs_n == i, locs, -1), 0)  # this row's (-1: not written)
+    page = tl.where(loc >= 0, loc // PS, -1)
+    pages = tl.where(locs >= 0, locs // PS, -2)  # never equal to a row's page, -1 included
+    same = pages == page
+    # The page's leader -- its first written row -- resets and folds it; the others only
+    # count their own key.
+    leader = (loc >= 0) & (tl.sum((same & (offs_n < i)).to(tl.int32), 0) == 0)
+    reset = tl.sum((same & (locs % PS == 0)).to(tl.int32), 0) > 0
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    m2 = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+    kh = offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
+    col = 0
+    if HAS_COL:
+        col = tl.load(COL + i).to(tl.int64)
+    x = tl.load(KEY + i * stride_kn + col * stride_kt + kh, mask=m2 & (loc >= 0), other=0.0)
+    x = x.to(tl.float32)
+    fin = tl.sum(tl.sum((m2 & ~((x == x) & (tl.abs(x) < float("inf")))).to(tl.int32), 1), 0) == 0
+    if COUNT:  # only the (rare) non-finite rows touch the counter
+        out = (loc >= 0) & ~fin
+        tl.atomic_add(NONFINITE, out.to(tl.int64), mask=out)
+    if leader:
+        lo_ptr = KMIN + page * stride_lo_r + offs_h[:, None] * stride_lo_h
+        lo_ptr += offs_d[None, :] * stride_lo_d
+        hi_ptr = KMAX + page * stride_hi_r + offs_h[:, None] * stride_hi_h
+        hi_ptr += offs_d[None, :] * stride_hi_d
+        lo = tl.load(lo_ptr, mask=m2 & ~reset, other=float("inf")).to(tl.float32)
+        hi = tl.load(hi_ptr, mask=m2 & ~reset, other=float("-inf")).to(tl.float32)
+        lo = tl.where(fin, tl.minimum(lo, x), lo)
+        hi = tl.where(fin, tl.maximum(hi, x), hi)
+        # The page's later rows (at most PS - 1 at distinct locations), lowest first.
+        later = same & (offs_n > i)
+        for _ in range(tl.sum(later.to(tl.int32), 0)):
+            j = tl.min(tl.where(later, offs_n, BLOCK_N), 0)
+            later = later & (offs_n != j)
+            cj = 0
+            if HAS_COL:
+                cj = tl.load(COL + j).to(tl.int64)
+            y = tl.load(KEY + j.to(tl.int64) * stride_kn + cj * stride_kt + kh, mask=m2, other=0.0)
+            y = y.to(tl.float32)
+            ok = (m2 & ~((y == y) & (tl.abs(y) < float("inf")))).to(tl.int32)
+            fin_j = tl.sum(tl.sum(ok, 1), 0) == 0
+            lo = tl.where(fin_j, tl.minimum(lo, y), lo)
+            hi = tl.where(fin_j, tl.maximum(hi, y), hi)
+        tl.store(lo_ptr, lo.to(KMIN.dtype.element_ty), mask=m2)
+        tl.store(hi_ptr, hi.to(KMAX.dtype.element_ty), mask=m2)
+
+
 @functools.cache
-def _kernels(interpret: bool) -> tuple[object, object]:
+def _kernels(interpret: bool) -> tuple[object, object, object]:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
-    return triton.jit(_page_scores_kernel), triton.jit(_select_kernel)
+    return triton.jit(_page_scores_kernel), triton.jit(_select_kernel), triton.jit(_fold_kernel)
 
 
 def _pow2(n: int, least: int) -> int:
@@ -268,7 +363,7 @@ def quest_page_scores_triton(
     # Two [BLOCK_P, BLOCK_D] float32 tiles of TUNING["scores_tile"] values each per program.
     block_p = min(_pow2(n_pages, 1), max(1, TUNING["scores_tile"] // block_d))
     n_spans = triton.cdiv(n_pages, block_p)
-    kernel, _ = _kernels(interpreting())
+    kernel, _, _ = _kernels(interpreting())
     kernel[(b * h * n_spans,)](
         query, kmin, kmax, pages, seq_lens, _flags(bad, seq_lens), scores,
         query.stride(0), query.stride(1),
@@ -316,7 +411,7 @@ def quest_select_triton(
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         strides, g, d = (q.stride(0), q.stride(1)), q.shape[1] // h, q.shape[2]
-    _, kernel = _kernels(interpreting())
+    _, kernel, _ = _kernels(interpreting())
     kernel[(b * h,)](
         scores, seq_lens, _flags(bad, seq_lens), q,
         nonfinite if nonfinite is not None else seq_lens, out_indices, out_counts, *strides,
@@ -326,4 +421,44 @@ def quest_select_triton(
         FIND_BAD=bad is None, COUNT=bad is None and nonfinite is not None,
         G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16),
         **pdl_args(scores.device, "score"), num_warps=search_warps(block),
+    )  # fmt: skip
+
+
+def fold_fits(n: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`fold_page_bounds_triton` folds a write of ``n`` rows of
+    ``[num_kv_heads, head_dim]`` keys (a program holds every row's location and one key)."""
+    return n <= FOLD_MAX_ROWS and _pow2(num_kv_heads, 1) * _pow2(head_dim, 16) <= FOLD_MAX_KEY
+
+
+def fold_page_bounds_triton(
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    locations: torch.Tensor,
+    key: torch.Tensor,
+    page_size: int,
+    columns: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
+) -> None:
+    """One launch, a program per written row (arguments checked by
+    :func:`prhs_kernels.quest.fold_page_bounds`; the write fits :func:`fold_fits`): finds the
+    row's non-finite key (counted into ``nonfinite`` when given), and the leader of each page
+    -- its first written row -- resets the page where one of its rows is the page's first
+    location and folds every finite key of its rows."""
+    n = locations.shape[0]
+    if n == 0:
+        return
+    h, d = kmin.shape[1], kmin.shape[2]
+    if columns is None:
+        strides, n_cols = (key.stride(0), key.stride(1), 0, key.stride(2)), 1
+    else:
+        strides, n_cols = key.stride(), key.shape[2]
+    _, _, kernel = _kernels(interpreting())
+    block_h, block_d = _pow2(h, 1), _pow2(d, 16)
+    kernel[(n,)](
+        kmin, kmax, locations, key, columns if columns is not None else locations,
+        nonfinite if nonfinite is not None else locations, n, n_cols, *strides,
+        *kmin.stride(), *kmax.stride(),
+        PS=page_size, HKV=h, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=_pow2(n, 16),
+        HAS_COL=columns is not None, COUNT=nonfinite is not None,
+        **pdl_args(key.device, "score"), num_warps=4 if block_h * block_d <= 4096 else 8,
     )  # fmt: skip
