@@ -13,6 +13,8 @@
 #   spN   the retrieval logits pass's persistent programs per multiprocessor
 #         (prhs_kernels.score.triton.TUNING["programs_per_sm"])
 #   bpN   the block-score pass's (prhs_kernels.cis.triton.TUNING["block_scores_programs_per_sm"])
+#   qsB_W Quest's selection: radix bits B and at least W warps a program
+#         (prhs_kernels.quest.triton.TUNING["radix_bits"] / ["select_warps"]), e.g. qs2_4
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
@@ -57,6 +59,8 @@ import prhs_kernels.pdl as P; P.PDL.update(enabled=True, kernels=frozenset('${kn
 import prhs_kernels.score.triton as st; st.TUNING['programs_per_sm'] = ${knob#sp}" ;;
                 bp*) knobs="$knobs
 import prhs_kernels.cis.triton as ct; ct.TUNING['block_scores_programs_per_sm'] = ${knob#bp}" ;;
+                qs*) bw=${knob#qs}; knobs="$knobs
+import prhs_kernels.quest.triton as qt; qt.TUNING.update(radix_bits=${bw%_*}, select_warps=${bw#*_})" ;;
                 sk) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING['split_k'] = True" ;;
                 norope) knobs="$knobs
