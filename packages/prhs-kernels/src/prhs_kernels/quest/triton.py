@@ -63,9 +63,9 @@ MAX_PAGES = 16384
 longer rows are ranked by the torch path."""
 
 TUNING = {
-    "radix_bits": 8,
+    "radix_bits": 2,
     "scan_segment": 128,
-    "select_warps": 8,
+    "select_warps": 4,
     "scores_tile": 4096,
     "scores_warps": 4,
 }
@@ -74,9 +74,10 @@ of its prefix counts (0 or a power of two >= 16), as the CIS top-k's
 (:data:`prhs_kernels.cis.triton.TUNING`), and the fewest warps a program (more where
 :func:`prhs_kernels.topk.triton.search_warps` gives more). The page scores': values of a
 program's ``[pages, D]`` tile (a power of two: ``scores_tile / D`` pages a program) and its
-warps. Measured on an H100 (a layer's selection, 16 back to back in a CUDA graph): 8 bits and 8
-warps 7.9 µs at B1·Hkv32·T16k and 10.6 at T32k, against 9.1 and 11.6 with 2 bits and 4 (the
-CIS top-k's); no tile or warp count of the page scores beat the defaults by more than 3 %."""
+warps. On an H100, 8 bits and 8 warps made the selection alone faster on random scores (16
+layers back to back in a CUDA graph: 10.6 µs a layer at B1·Hkv32·T32k against 11.6) but the
+whole decode step slower (Llama-2-7B B1·T32k 7.29 ms against 6.94): the defaults stay. No tile
+or warp count of the page scores beat theirs by more than 3 %."""
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
