@@ -32,6 +32,12 @@ class Dense(BaseSelector):
     def selection_width(self) -> int:
         return 0
 
+    def finds_nonfinite_queries(self) -> bool:
+        # Nothing is chosen, so nothing is skipped: a non-finite query is not counted (dense
+        # attention returns its non-finite output), and a step runs no check for it -- a
+        # decode step of the dense baseline is attention alone.
+        return True
+
     def select_layer(
         self,
         plan: DecodePlan,
@@ -39,7 +45,7 @@ class Dense(BaseSelector):
         query: torch.Tensor,
         kv: KVLayout,
         state: SelectorState,
-        bad: torch.Tensor,
+        bad: torch.Tensor | None,
     ) -> Selection | None:
         self.record(plan, layer, kv, None, None, None)
         return None
