@@ -203,15 +203,9 @@ def test_right_padded_prompts_are_scored_but_not_decoded(make_tiny):
         runtime.disable()
 
 
-def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
-    """Between transformers' ops and the selector's, ``attend`` itself issues nothing per layer
-    of an unchecked decode step (the rows' int32 bounds are made once per forward; no K/V is
-    written where no side cache keeps it): counted as the ops one more pair of layers adds,
-    with the selection and the decode kernel stubbed out."""
+def _count_ops():
+    """A dispatch mode counting every torch op run inside it by name (``.ops``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import prhs_eval.integration as integration
-    from prhs_eval.throughput import _fill, _static_cache, model_config, random_model
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -221,6 +215,17 @@ def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[str(func)] = self.ops.get(str(func), 0) + 1
             return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
+    """Between transformers' ops and the selector's, ``attend`` itself issues nothing per layer
+    of an unchecked decode step (the rows' int32 bounds are made once per forward; no K/V is
+    written where no side cache keeps it): counted as the ops one more pair of layers adds,
+    with the selection and the decode kernel stubbed out."""
+    import prhs_eval.integration as integration
+    from prhs_eval.throughput import _fill, _static_cache, model_config, random_model
 
     monkeypatch.setattr(
         integration, "sparse_decode_attention", lambda q, *a, **k: (torch.zeros_like(q), None)
@@ -239,7 +244,7 @@ def test_an_unchecked_decode_layer_adds_no_op_of_its_own(monkeypatch):
         with torch.no_grad():
             for _ in range(2):
                 model(input_ids=tokens, past_key_values=cache)
-            with Count() as count:
+            with _count_ops() as count:
                 model(input_ids=tokens, past_key_values=cache)
         if runtime is not None:
             runtime.disable()
@@ -262,23 +267,12 @@ def test_an_unchecked_decode_step_writes_the_new_tokens_in_place(monkeypatch):
     """A selector with side caches (Quest) is handed each layer's whole cache and the rows'
     columns -- found once per forward -- instead of a gather of the new keys and values per
     layer: a layer's write adds no op to the step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import prhs_eval.integration as integration
     from prhs_eval.throughput import _fill, _static_cache, model_config, random_model
 
     monkeypatch.setattr(
         integration, "sparse_decode_attention", lambda q, *a, **k: (torch.zeros_like(q), None)
     )
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
 
     def step(layers: int) -> tuple[dict[str, int], list]:
         model = random_model(model_config("tiny", layers=layers), "cpu", torch.float32)
@@ -298,7 +292,7 @@ def test_an_unchecked_decode_step_writes_the_new_tokens_in_place(monkeypatch):
             for _ in range(2):
                 model(input_ids=tokens, past_key_values=cache)
             writes.clear()
-            with Count() as count:
+            with _count_ops() as count:
                 model(input_ids=tokens, past_key_values=cache)
         runtime.disable()
         return count.ops, writes

@@ -617,3 +617,49 @@ def case(request: pytest.FixtureRequest) -> str:
 def layout(request: pytest.FixtureRequest) -> str:
     """Each KV layout in turn: ``"contiguous"``, ``"paged"`` and ``"paged16"``."""
     return request.param
+
+
+class OpLog:
+    """A context manager that records the name of every torch op run inside it (``ops``)."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def __enter__(self) -> OpLog:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self.ops
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                log.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
+@pytest.fixture
+def op_log() -> type[OpLog]:
+    """:class:`OpLog`: ``with op_log() as log: ...``, then ``log.ops``."""
+    return OpLog
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every Triton launch from then on recorded by its kernel's name instead of run (Triton's
+    ``JITFunction.run`` patched): a list the test reads (needs Triton)."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    launches: list[str] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(self.fn.__name__)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    return launches

@@ -29,24 +29,15 @@ def test_dense_reads_every_position(make_sim, layout, lengths, hq, hkv, d) -> No
         sim.advance()
 
 
-def test_an_unchecked_dense_step_runs_no_op(make_sim) -> None:
+def test_an_unchecked_dense_step_runs_no_op(make_sim, op_log) -> None:
     """Without statistics, a layer's ``select`` issues no tensor op beyond views: no check of
     the query (nothing is skipped, so a non-finite query is not counted either)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     sim = make_sim([37, 12], num_q_heads=4, num_kv_heads=2, head_dim=8, num_layers=2)
     dense = Dense()
     state = sim.attach(dense, stats=False, checked=False)
     sim.queries[1][0, 1, 3] = float("nan")
-    ops: list[str] = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     plan, kv = sim.update(dense), sim.kv(1)
-    with Log():
+    with op_log() as log:
         assert dense.select(plan, 1, sim.queries[1], kv, state) is None
-    assert set(ops) <= {"select", "slice", "alias", "view", "detach"}, ops
+    assert set(log.ops) <= {"select", "slice", "alias", "view", "detach"}, log.ops
     assert state.nonfinite_count() == 0

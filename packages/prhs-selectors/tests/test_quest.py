@@ -287,16 +287,12 @@ def test_block_size_equal_to_page_size_is_accepted() -> None:
 
 @pytest.mark.parametrize("quest_layout_name", ["contiguous", "paged"])
 def test_a_sparse_layer_on_a_triton_path_is_two_launches(
-    make_sim, monkeypatch, quest_layout_name
+    make_sim, monkeypatch, op_log, triton_launches, quest_layout_name
 ) -> None:
     """The page scores and the selection, each one launch; no top-k, sort or union in torch,
     and no separate check of the query (the launches find the rows it would). On a contiguous
     cache, nothing else at all: the page rows are kept from the first step; a paged pool's are
     a gather from its table and a division."""
-    pytest.importorskip("triton")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.jit import JITFunction
-
     layout = "contiguous" if quest_layout_name == "contiguous" else "paged16"
     sim = make_sim(
         [300, 129], num_q_heads=8, num_kv_heads=2, head_dim=16, layout=layout,
@@ -305,24 +301,13 @@ def test_a_sparse_layer_on_a_triton_path_is_two_launches(
     quest = Quest(QuestConfig(budget=64, page_size=16, dense_layers=0))
     state = sim.attach(quest, stats=False, checked=False)
     monkeypatch.setattr(quest, "kernel_path", lambda device, dtype: "triton")
-    launches: list[str] = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        launches.append(self.fn.__name__)
-
-    monkeypatch.setattr(JITFunction, "run", run)
-    ops: list[str] = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+    launches = triton_launches
     plan, kv = sim.update(quest), sim.kv(0)
     quest.select(plan, 0, sim.queries[0], kv, state)  # the first step keeps the rows
     launches.clear()
-    with Log():
+    with op_log() as log:
         sel = quest.select(plan, 0, sim.queries[0], kv, state)
+    ops = log.ops
     assert launches == ["_page_scores_kernel", "_select_kernel"]
     assert sel.indices.data_ptr() == plan.selection.indices.data_ptr()
     assert not {"topk", "sort", "cat", "scatter"} & set(ops), ops
@@ -368,13 +353,11 @@ def test_a_decode_write_from_the_cache_equals_the_write_of_its_rows(make_sim) ->
         assert torch.equal(s_cols.side[name][:-1], s_rows.side[name][:-1]), name
 
 
-def test_a_decode_write_on_a_triton_path_is_one_launch(make_sim, monkeypatch) -> None:
+def test_a_decode_write_on_a_triton_path_is_one_launch(
+    make_sim, monkeypatch, op_log, triton_launches
+) -> None:
     """The new tokens' keys are read in place, checked, counted and folded by one launch: no
     gather, no finiteness check, no scatter in torch."""
-    pytest.importorskip("triton")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.jit import JITFunction
-
     sim = make_sim(
         [300, 129], num_q_heads=8, num_kv_heads=2, head_dim=16, num_layers=2, dtype=torch.bfloat16
     )
@@ -384,21 +367,9 @@ def test_a_decode_write_on_a_triton_path_is_one_launch(make_sim, monkeypatch) ->
     kv = sim.kv(1)
     loc = sim.locations(state.row_stride)[:, 0].contiguous()
     cols = torch.zeros(sim.batch_size, dtype=torch.int32)
-    launches: list[str] = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        launches.append(self.fn.__name__)
-
-    monkeypatch.setattr(JITFunction, "run", run)
-    ops: list[str] = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Log():
+    with op_log() as log:
         quest.write_kv(state, 1, loc, kv.k, kv.v, columns=cols)
         quest.write_kv(state, 0, loc, kv.k, kv.v, columns=cols)  # a dense layer: nothing
-    assert launches == ["_fold_kernel"]
+    assert triton_launches == ["_fold_kernel"]
+    ops = log.ops
     assert set(ops) <= {"select", "slice", "alias", "view", "detach", "as_strided"}, ops
