@@ -432,6 +432,47 @@ def top_blocks_compose(
         block_size, m, r, hold_local, out_indices, out_counts, anchor_union, anchor_union_cnt,
         any_retrieve,
     )  # fmt: skip
+    return _top_blocks_compose(
+        scores, m_top, query, retrieve, bad, anchor_q, anchor_len, anchor_idx, anchor_cnt,
+        anchor_log_delta, slots, seq_lens, n_sink=n_sink, n_local=n_local,
+        block_size=block_size, m=m, r=r, out_indices=out_indices, out_counts=out_counts,
+        anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt, hold_local=hold_local,
+        any_retrieve=any_retrieve, path=path, windows=(ws, wl),
+    )  # fmt: skip
+
+
+def _top_blocks_compose(
+    scores: torch.Tensor,
+    m_top: int,
+    query: torch.Tensor,
+    retrieve: torch.Tensor,
+    bad: torch.Tensor,
+    anchor_q: torch.Tensor,
+    anchor_len: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_log_delta: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    n_sink: int,
+    n_local: int,
+    block_size: int,
+    m: int,
+    r: int,
+    out_indices: torch.Tensor,
+    out_counts: torch.Tensor,
+    anchor_union: torch.Tensor,
+    anchor_union_cnt: torch.Tensor,
+    hold_local: bool,
+    any_retrieve: torch.Tensor | None,
+    path: str,
+    windows: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_blocks_compose` once its arguments are checked (``windows``: the ``(ws, wl)``
+    the checks gave), also :func:`retrieval_compose`'s path where its fused pass does not
+    apply."""
+    ws, wl = windows
     k = min(m_top, scores.shape[-1])
     anchors = (anchor_q, anchor_len, anchor_idx, anchor_cnt, anchor_log_delta)
     kw = dict(n_sink=n_sink, n_local=n_local, block_size=block_size, m=m, r=r,
@@ -518,12 +559,12 @@ def retrieval_compose(
             query, kv, scaling, retrieve, block_size=block_size, n_sink=n_sink,
             n_local=n_local, score=score, fill_idle=False, path=path,
         )  # fmt: skip
-        return top_blocks_compose(
+        return _top_blocks_compose(  # the arguments are checked above
             scores, m_top, query, retrieve, bad, anchor_q, anchor_len, anchor_idx, anchor_cnt,
             anchor_log_delta, slots, kv.seq_lens, n_sink=n_sink, n_local=n_local,
             block_size=block_size, m=m, r=r, out_indices=out_indices, out_counts=out_counts,
             anchor_union=anchor_union, anchor_union_cnt=anchor_union_cnt,
-            hold_local=hold_local, any_retrieve=any_retrieve, path=path,
+            hold_local=hold_local, any_retrieve=any_retrieve, path=path, windows=(ws, wl),
         )  # fmt: skip
     from prhs_kernels.cis.triton import retrieval_compose_triton
 
