@@ -231,6 +231,8 @@ FOLD_CASES = [
     ([5, 8, 17, -1, 40, 41], 2, 8, 4, (0,), ([3, 0, 7, 2, -1, 9], 8)),  # columns, two outside
     ("perm300", 4, 32, 16, (5, 17), None),  # 300 locations in random order, pages of 16
     ("all64", 1, 128, 4, (0, 8, 9), None),  # a whole prompt: first locations not finite
+    ([7, 3, 12], 2, 16, 1, (1,), None),  # pages of one location: every write resets its page
+    ([21], 2, 16, 16, (), ([4], 6)),  # one row, mid-page
 ]
 
 
