@@ -16,6 +16,7 @@
 #   qsB_W Quest's selection: radix bits B and at least W warps a program
 #         (prhs_kernels.quest.triton.TUNING["radix_bits"] / ["select_warps"]), e.g. qs2_4
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
+#   rbtN  the row-bounds launch reads N columns a tile (prhs_kernels.kv.triton.BLOCK)
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
 #   norope the fused layers without the rotary epilogue (prhs_eval.throughput.ROPE_EPILOGUE off:
 #         the rotation, the cache write and the length's add as launches of their own)
@@ -68,6 +69,8 @@ import prhs_eval.throughput as T; T.ROPE_EPILOGUE = False" ;;
                 rl*) knobs="$knobs
 import prhs_kernels.gemm.triton as gt; gt.TUNING_ROPE['launch'] = tuple(int(v) for v in '${knob#rl}'.split('_'))" ;;
                 at*) tree="ab/${knob#at}" ;;
+                rbt*) knobs="$knobs
+import prhs_kernels.kv.triton as kt; kt.BLOCK = ${knob#rbt}" ;;
                 rbref) knobs="$knobs
 import prhs_eval.integration as I; from prhs_kernels.kv import row_bounds_reference as R
 I.row_bounds = lambda v, d: R(v)" ;;

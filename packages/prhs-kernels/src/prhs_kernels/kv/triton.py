@@ -17,7 +17,8 @@ from prhs_kernels.pdl import pdl_args, pdl_wait
 __all__ = ["row_bounds_triton"]
 
 BLOCK = 1024
-"""Columns a program reads a tile."""
+"""Columns a program reads a tile (a power of two; 8 warps from 4096 up). Module-level so that a
+benchmark can sweep it: a row of 32k columns is 32 dependent tiles at the default."""
 
 
 def _row_bounds_kernel(
@@ -56,6 +57,6 @@ def row_bounds_triton(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     raw = valid.view(torch.uint8)  # same strides: a view, not a copy
     _kernel(interpreting())[(b,)](
         raw, start, lens, t, raw.stride(0), raw.stride(1), BLOCK=BLOCK,
-        **pdl_args(valid.device, "rows"), num_warps=4,
+        **pdl_args(valid.device, "rows"), num_warps=4 if BLOCK < 4096 else 8,
     )  # fmt: skip
     return start, lens
