@@ -310,7 +310,8 @@ def _fold_kernel(
     col = 0
     if HAS_COL:
         col = tl.load(COL + i).to(tl.int64)
-    x = tl.load(KEY + i * stride_kn + col * stride_kt + kh, mask=m2 & (loc >= 0), other=0.0)
+    row = KEY + i.to(tl.int64) * stride_kn + col * stride_kt  # int64: a cache passes 2^31
+    x = tl.load(row + kh, mask=m2 & (loc >= 0), other=0.0)
     x = x.to(tl.float32)
     fin = tl.sum(tl.sum((m2 & ~((x == x) & (tl.abs(x) < float("inf")))).to(tl.int32), 1), 0) == 0
     if COUNT:  # only the (rare) non-finite rows touch the counter
