@@ -1,9 +1,7 @@
-"""Quest's selection (``prhs_kernels.quest.quest_select``) over its search's radix bits and
-warps a program (``prhs_kernels.quest.triton.TUNING``: ``radix_bits``, ``select_warps``), then
-over its split of long rows into chunks of pages ranked in a first launch (``select_chunk``, at
-the shipped bits and warps), at Table V shapes, on a GPU: µs a layer (16 layers back to back in
-one CUDA graph). At one sequence a layer is only Hkv programs, each ranking every page of its
-row: latency, not bytes.
+"""Quest's selection launch (``prhs_kernels.quest.quest_select``) over its search's radix bits
+and warps a program (``prhs_kernels.quest.triton.TUNING``: ``radix_bits``, ``select_warps``),
+at Table V shapes, on a GPU: µs a layer (16 layers back to back in one CUDA graph). At one
+sequence a layer is only Hkv programs, each ranking every page of its row: latency, not bytes.
 
     python benchmarks/scripts/quest_select_sweep.py
 """
@@ -22,7 +20,6 @@ from prhs_kernels.timing import graph_ms
 P, N_SINK, N_LOCAL, K, BURST = 16, 4, 64, 64, 16
 SHAPES = [(1, 32, 16384), (1, 32, 32768), (1, 8, 32768), (16, 8, 16384), (8, 32, 16384)]
 BITS, WARPS = (1, 2, 4, 8), (4, 8, 16)
-CHUNKS = (0, 128, 256, 512, 1024)  # TUNING["select_chunk"] at the shipped bits and warps
 
 
 def main() -> None:
@@ -50,19 +47,10 @@ def main() -> None:
                 us = graph_ms([fn] * BURST) * 1000 / BURST
                 cells.append((us, bits, warps))
         qt.TUNING.update(shipped)
-        qt.search_warps = rule
-        chunked = []
-        for chunk in CHUNKS:
-            qt.TUNING["select_chunk"] = chunk
-            fn = partial(quest_select, scores, lens, bad, K, **kw)
-            chunked.append((graph_ms([fn] * BURST) * 1000 / BURST, chunk))
-        qt.TUNING.update(shipped)
-        qt.search_warps = lambda block: 1
         best = min(cells)
         row = "  ".join(f"{bits}b/{w}w:{us:.1f}" for us, bits, w in cells)
         print(f"B{b} Hkv{h} T{t} ({n_pages} pages): {row}  best {best[1]} bits, "
-              f"{best[2]} warps: {best[0]:.1f} us; chunks (shipped bits and warps) "
-              + "  ".join(f"{c or 'off'}:{us:.1f}" for us, c in chunked), flush=True)  # fmt: skip
+              f"{best[2]} warps: {best[0]:.1f} us", flush=True)  # fmt: skip
     qt.search_warps = rule
 
 

@@ -15,8 +15,6 @@
 #   bpN   the block-score pass's (prhs_kernels.cis.triton.TUNING["block_scores_programs_per_sm"])
 #   qsB_W Quest's selection: radix bits B and at least W warps a program
 #         (prhs_kernels.quest.triton.TUNING["radix_bits"] / ["select_warps"]), e.g. qs2_4
-#   qcN   Quest's selection ranks rows longer than N pages in two launches (chunks of N pages;
-#         prhs_kernels.quest.triton.TUNING["select_chunk"]), e.g. qc512
 #   sk    the decode GEMM splits K where it has few stripes (prhs_kernels.gemm.triton.TUNING["split_k"])
 #   rbtN  the row-bounds launch reads N columns a tile (prhs_kernels.kv.triton.BLOCK)
 #   rbref the integration's row bounds by the torch reference (reductions + a cast), not one launch
@@ -62,8 +60,6 @@ import prhs_kernels.pdl as P; P.PDL.update(enabled=True, kernels=frozenset('${kn
 import prhs_kernels.score.triton as st; st.TUNING['programs_per_sm'] = ${knob#sp}" ;;
                 bp*) knobs="$knobs
 import prhs_kernels.cis.triton as ct; ct.TUNING['block_scores_programs_per_sm'] = ${knob#bp}" ;;
-                qc*) knobs="$knobs
-import prhs_kernels.quest.triton as qt; qt.TUNING['select_chunk'] = ${knob#qc}" ;;
                 qs*) bw=${knob#qs}; knobs="$knobs
 import prhs_kernels.quest.triton as qt; qt.TUNING.update(radix_bits=${bw%_*}, select_warps=${bw#*_})" ;;
                 sk) knobs="$knobs

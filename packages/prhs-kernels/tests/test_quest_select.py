@@ -92,40 +92,6 @@ def test_the_triton_path_is_one_launch_a_step_that_compiles_for_a_hopper_gpu(
         assert "ld.global" in hopper_compile(fn, args, kw), fn.fn.__name__
 
 
-@pytest.mark.parametrize("find", [False, True], ids=["bad-given", "bad-found"])
-def test_chunked_rows_are_two_launches_that_compile_for_a_hopper_gpu(
-    monkeypatch, make_quest_case, hopper_compile, catch_launches, find
-):
-    """With ``TUNING["select_chunk"]`` set, rows longer than a chunk are ranked in two
-    launches: each chunk's top ``k`` (a program a chunk), then the top ``k`` of those; only the
-    second reads the query (``bad=None``). Rows of a chunk or less, or a chunk not above ``k``,
-    keep one launch; a chunk that is not a power of two is refused."""
-    pytest.importorskip("triton")
-    import prhs_kernels.quest.triton as qt
-
-    case = ([5000, 4096], 8, 16, 4, 64, 64)  # 313 pages a row
-    built = make_quest_case(*case)
-    b, h, _ = built[0].shape
-    query = torch.zeros(b, 4 * h, 128, dtype=torch.bfloat16)
-    extra = dict(bad=None, query=query, nonfinite=torch.zeros(1, dtype=torch.int64)) if find else {}
-    monkeypatch.setitem(qt.TUNING, "select_chunk", 128)
-    assert qt.select_chunk(313, 64) == 128
-    assert qt.select_chunk(128, 64) == 0 and qt.select_chunk(313, 128) == 0
-    _call(built, case, path="triton", **extra)
-    names = [fn.fn.__name__ for fn, _, _ in catch_launches]
-    assert names == ["_candidates_kernel", "_select_kernel"]
-    first, second = catch_launches
-    assert first[2]["CHUNK"] == 128 and second[2]["CANDIDATES"] and second[2]["BLOCK"] == 256
-    assert second[2]["FIND_BAD"] is find
-    for fn, args, kw in catch_launches:
-        assert "ld.global" in hopper_compile(fn, args, kw), fn.fn.__name__
-    catch_launches.clear()
-    monkeypatch.setitem(qt.TUNING, "select_chunk", 96)
-    with pytest.raises(ValueError, match="select_chunk"):
-        _call(built, case, path="triton", **extra)
-    assert catch_launches == []
-
-
 def test_rows_too_long_for_one_program_take_the_torch_path(monkeypatch, quest_case, catch_launches):
     import prhs_kernels.quest.triton as qt
 

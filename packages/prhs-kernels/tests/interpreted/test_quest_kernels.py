@@ -155,13 +155,7 @@ def test_bad_input_raises(change, error, match):
         quest_page_scores(**kw)
 
 
-@pytest.mark.parametrize("chunk", [0, 4, 64], ids=["one-launch", "chunks4", "chunks64"])
-def test_select_matches_the_torch_path(monkeypatch, quest_case, chunk):
-    """In one launch, or in two (each chunk's top k, then the top k of those candidates)
-    wherever :func:`select_chunk` splits the rows."""
-    import prhs_kernels.quest.triton as qt
-
-    monkeypatch.setitem(qt.TUNING, "select_chunk", chunk)
+def test_select_matches_the_torch_path(quest_case):
     (_, _, p, n_sink, n_local, k), (scores, seq_lens, bad, out, cnt) = quest_case
     want_out, want_cnt = out.clone(), cnt.clone()
     kw = dict(page_size=p, n_sink=n_sink, n_local=n_local)
@@ -193,14 +187,9 @@ def test_select_writes_through_strided_buffers():
     assert bool((big_cnt[:, 1::2] == 7).all())
 
 
-@pytest.mark.parametrize("chunk", [0, 4], ids=["one-launch", "chunks4"])
-def test_both_launches_find_the_bad_rows_themselves(monkeypatch, make_kv, chunk):
+def test_both_launches_find_the_bad_rows_themselves(make_kv):
     """``bad=None``: the page scores and the selection find the rows whose group's queries hold
-    a NaN or an infinity (the selection counts them), as the separate check would; split in
-    chunks, the selection's second launch finds and counts them."""
-    import prhs_kernels.quest.triton as qt
-
-    monkeypatch.setitem(qt.TUNING, "select_chunk", chunk)
+    a NaN or an infinity (the selection counts them), as the separate check would."""
     gen = torch.Generator().manual_seed(11)
     lens, hq, hkv, d, p = [300, 129, 77], 8, 2, 16, 16
     data = make_kv(lens, hkv, d, dtype=torch.bfloat16, seed=4)

@@ -49,7 +49,6 @@ __all__ = [
     "quest_page_scores_triton",
     "quest_select_fits",
     "quest_select_triton",
-    "select_chunk",
 ]
 
 FOLD_MAX_ROWS = 4096
@@ -67,24 +66,18 @@ TUNING = {
     "radix_bits": 2,
     "scan_segment": 128,
     "select_warps": 4,
-    "select_chunk": 0,
     "scores_tile": 4096,
     "scores_warps": 4,
 }
 """The selection's search: bits of the ``k``-th key found a round (1, 2, 4 or 8), the segment
 of its prefix counts (0 or a power of two >= 16), as the CIS top-k's
 (:data:`prhs_kernels.cis.triton.TUNING`), and the fewest warps a program (more where
-:func:`prhs_kernels.topk.triton.search_warps` gives more); ``select_chunk`` (0: off, or a power
-of two) ranks rows longer than that many pages in two launches (:func:`select_chunk`), so that
-a batch of few rows, whose selection is otherwise a program a row ranking every page, spreads
-over more programs. The page scores': values of a program's ``[pages, D]`` tile (a power of
-two: ``scores_tile / D`` pages a program) and its warps.
-
-On an H100, 8 bits and 8 warps made the selection alone faster on random scores (16 layers
-back to back in a CUDA graph: 10.6 µs a layer at B1·Hkv32·T32k against 11.6) but the whole
-decode step slower (Llama-2-7B B1·T32k 7.29 ms against 6.94): the defaults stay. No tile or
-warp count of the page scores beat theirs by more than 3 %. ``select_chunk`` is not timed yet
-(off)."""
+:func:`prhs_kernels.topk.triton.search_warps` gives more). The page scores': values of a
+program's ``[pages, D]`` tile (a power of two: ``scores_tile / D`` pages a program) and its
+warps. On an H100, 8 bits and 8 warps made the selection alone faster on random scores (16
+layers back to back in a CUDA graph: 10.6 µs a layer at B1·Hkv32·T32k against 11.6) but the
+whole decode step slower (Llama-2-7B B1·T32k 7.29 ms against 6.94): the defaults stay. No tile
+or warp count of the page scores beat theirs by more than 3 %."""
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -188,7 +181,6 @@ def _page_scores_kernel(
 
 def _select_kernel(
     SCORES,
-    CAND,
     LENS,
     BAD,
     Q,
@@ -219,7 +211,6 @@ def _select_kernel(
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    CANDIDATES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
@@ -234,14 +225,9 @@ def _select_kernel(
     nb_seq = (seq + PS - 1) // PS
     sink_end = (tl.minimum(seq, n_sink) + PS - 1) // PS
     local_first = tl.where(n_local > 0, tl.maximum(seq - n_local, 0) // PS, nb_seq)
-    lane = tl.arange(0, BLOCK)
-    if CANDIDATES:  # the lanes are the candidates of the row's chunks: page ids, then scores
-        j = tl.load(CAND + pid.to(tl.int64) * n_pages + lane, mask=lane < n_pages, other=-1)
-        ok = (j >= 0) & (~bad)
-    else:  # the lanes are the row's pages
-        j = lane
-        ok = (j < n_pages) & (j < nb_seq) & (j >= sink_end) & (j < local_first) & (~bad)
-    x = tl.load(SCORES + pid.to(tl.int64) * n_pages + lane, mask=ok, other=float("-inf"))
+    j = tl.arange(0, BLOCK)
+    ok = (j < n_pages) & (j < nb_seq) & (j >= sink_end) & (j < local_first) & (~bad)
+    x = tl.load(SCORES + pid.to(tl.int64) * n_pages + j, mask=ok, other=float("-inf"))
     key = tl.where(ok, order_key(x), -2147483648)
     k_here = tl.minimum(k, tl.sum(ok.to(tl.int32), 0))
     take, pos = take_top(key, ok, k_here, BLOCK, RADIX_BITS, RADIX, SEG)
@@ -344,58 +330,10 @@ def _fold_kernel(
         tl.store(hi_ptr, hi.to(KMAX.dtype.element_ty), mask=m2)
 
 
-def _candidates_kernel(
-    SCORES,
-    LENS,
-    CAND,
-    CAND_SCORES,
-    n_pages,
-    n_chunks,
-    k,
-    n_sink,
-    n_local,
-    HKV: tl.constexpr,
-    PS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    K_SLOTS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    RADIX: tl.constexpr,
-    SEG: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
-    prog = tl.program_id(0)
-    pid = prog // n_chunks  # the (sequence, KV head) row, b * HKV + h
-    c = prog % n_chunks
-    b = pid // HKV
-    seq = tl.load(LENS + b)
-    nb_seq = (seq + PS - 1) // PS
-    sink_end = (tl.minimum(seq, n_sink) + PS - 1) // PS
-    local_first = tl.where(n_local > 0, tl.maximum(seq - n_local, 0) // PS, nb_seq)
-    j = c * CHUNK + tl.arange(0, CHUNK)
-    ok = (j < n_pages) & (j < nb_seq) & (j >= sink_end) & (j < local_first)
-    x = tl.load(SCORES + pid.to(tl.int64) * n_pages + j, mask=ok, other=float("-inf"))
-    key = tl.where(ok, order_key(x), -2147483648)
-    k_here = tl.minimum(k, tl.sum(ok.to(tl.int32), 0))
-    take, pos = take_top(key, ok, k_here, CHUNK, RADIX_BITS, RADIX, SEG)
-    # The chunk's K_SLOTS slots: its winners in page order, then -1.
-    out = pid.to(tl.int64) * (n_chunks * K_SLOTS) + c * K_SLOTS
-    tl.store(CAND + out + pos, j, mask=take)
-    tl.store(CAND_SCORES + out + pos, x, mask=take)
-    o = tl.arange(0, BLOCK_K)
-    tl.store(CAND + out + o, -1, mask=(o >= k_here) & (o < K_SLOTS))
-
-
 @functools.cache
-def _kernels(interpret: bool) -> tuple[object, object, object, object]:
+def _kernels(interpret: bool) -> tuple[object, object, object]:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
-    return (
-        triton.jit(_page_scores_kernel),
-        triton.jit(_select_kernel),
-        triton.jit(_fold_kernel),
-        triton.jit(_candidates_kernel),
-    )
+    return triton.jit(_page_scores_kernel), triton.jit(_select_kernel), triton.jit(_fold_kernel)
 
 
 def _pow2(n: int, least: int) -> int:
@@ -437,7 +375,7 @@ def quest_page_scores_triton(
     # Two [BLOCK_P, BLOCK_D] float32 tiles of TUNING["scores_tile"] values each per program.
     block_p = min(_pow2(n_pages, 1), max(1, TUNING["scores_tile"] // block_d))
     n_spans = triton.cdiv(n_pages, block_p)
-    kernel, _, _, _ = _kernels(interpreting())
+    kernel, _, _ = _kernels(interpreting())
     kernel[(b * h * n_spans,)](
         query, kmin, kmax, pages, seq_lens, _flags(bad, seq_lens), scores,
         query.stride(0), query.stride(1),
@@ -476,58 +414,27 @@ def quest_select_triton(
     b, h, n_pages = scores.shape
     if b * h == 0:
         return
-    scores = scores.contiguous()
-    chunk = select_chunk(n_pages, k)
-    cand = None
-    if chunk:  # the first launch keeps each chunk's top k: the second ranks those
-        n_chunks = triton.cdiv(n_pages, chunk)
-        lanes = n_chunks * k
-        cand = torch.empty(b, h, lanes, dtype=torch.int32, device=scores.device)
-        cand_scores = torch.empty(b, h, lanes, dtype=torch.float32, device=scores.device)
-        search = search_constants(TUNING, "radix_bits", "scan_segment", chunk)
-        _, _, _, first = _kernels(interpreting())
-        first[(b * h * n_chunks,)](
-            scores, seq_lens, cand, cand_scores, n_pages, n_chunks, k, n_sink, n_local,
-            HKV=h, PS=page_size, CHUNK=chunk, K_SLOTS=k, BLOCK_K=_pow2(k, 16), **search,
-            **pdl_args(scores.device, "score"),
-            num_warps=max(TUNING["select_warps"], search_warps(chunk)),
-        )  # fmt: skip
-        scores, n_lanes = cand_scores, lanes
-    else:
-        n_lanes = n_pages
-    block = _pow2(n_lanes, 16)
+    block = _pow2(n_pages, 16)
     search = search_constants(TUNING, "radix_bits", "scan_segment", block)
+    scores = scores.contiguous()
     width = out_indices.shape[-1]
     if query is None:  # rows marked by ``bad``: the query is not read
         q, strides, g, d = seq_lens, (0, 0), 1, 1
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         strides, g, d = (q.stride(0), q.stride(1)), q.shape[1] // h, q.shape[2]
-    _, kernel, _, _ = _kernels(interpreting())
+    _, kernel, _ = _kernels(interpreting())
     kernel[(b * h,)](
-        scores, cand if cand is not None else seq_lens, seq_lens, _flags(bad, seq_lens), q,
+        scores, seq_lens, _flags(bad, seq_lens), q,
         nonfinite if nonfinite is not None else seq_lens, out_indices, out_counts, *strides,
         out_indices.stride(0), out_indices.stride(1), out_counts.stride(0), out_counts.stride(1),
-        n_lanes, k, n_sink, n_local,
+        n_pages, k, n_sink, n_local,
         HKV=h, PS=page_size, BLOCK=block, WIDTH=width, BLOCK_W=_pow2(width, 16), **search,
         FIND_BAD=bad is None, COUNT=bad is None and nonfinite is not None,
-        G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16), CANDIDATES=cand is not None,
+        G=g, BLOCK_G=_pow2(g, 2), D=d, BLOCK_D=_pow2(d, 16),
         **pdl_args(scores.device, "score"),
         num_warps=max(TUNING["select_warps"], search_warps(block)),
     )  # fmt: skip
-
-
-def select_chunk(n_pages: int, k: int) -> int:
-    """Pages a program of the selection's first launch ranks (0: one launch, a program a row):
-    ``TUNING["select_chunk"]`` where it is set, the rows are longer than it and it is more than
-    ``k`` (each chunk passes on at most ``k`` candidates, so the second launch ranks
-    ``ceil(P / chunk) · k`` lanes)."""
-    chunk = TUNING["select_chunk"]
-    if chunk and (chunk < 2 or chunk & (chunk - 1)):
-        raise ValueError(f'TUNING["select_chunk"] must be 0 or a power of two >= 2, got {chunk!r}')
-    if not chunk or n_pages <= chunk or chunk <= k:
-        return 0
-    return chunk
 
 
 def fold_fits(n: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -558,7 +465,7 @@ def fold_page_bounds_triton(
         strides, n_cols = (key.stride(0), key.stride(1), 0, key.stride(2)), 1
     else:
         strides, n_cols = key.stride(), key.shape[2]
-    _, _, kernel, _ = _kernels(interpreting())
+    _, _, kernel = _kernels(interpreting())
     block_h, block_d = _pow2(h, 1), _pow2(d, 16)
     kernel[(n,)](
         kmin, kmax, locations, key, columns if columns is not None else locations,
