@@ -24,9 +24,14 @@ them, and they must be identical.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,3 +341,84 @@ def quest_case(request) -> tuple:
 def make_quest_case():
     """:func:`quest_select_case`: page scores, lengths, bad rows and output buffers."""
     return quest_select_case
+
+
+# ---------------------------------------------------------------------------------------------
+# The interpreted suite (``interpreted/``, run by ``test_triton.py`` in a process of its own with
+# ``TRITON_INTERPRET=1``) is the longest part of the tests and runs on one core. It starts as soon
+# as collection finishes, beside the rest of the session, so a two-core CI machine runs both at
+# once; ``test_triton.py`` then waits for its result. Started only when that test is selected,
+# never by ``--collect-only``, and stopped at the end of a session that did not wait for it.
+# ---------------------------------------------------------------------------------------------
+
+INTERPRETED_TEST = "test_triton.py::test_triton_kernels_under_the_interpreter"
+INTERPRETED_DIR = Path(__file__).resolve().parent / "interpreted"
+
+
+@dataclass
+class InterpretedRun:
+    """The interpreted suite's pytest process and the file its output goes to."""
+
+    process: subprocess.Popen
+    log: object  # the temporary file, opened for writing and reading
+
+    def result(self) -> tuple[int, str]:
+        """Waits for the run; its exit status and output."""
+        returncode = self.process.wait()
+        self.log.seek(0)
+        return returncode, self.log.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+INTERPRETED_RUN = pytest.StashKey[InterpretedRun]()
+
+
+def start_interpreted_run() -> InterpretedRun:
+    """Starts ``pytest interpreted/`` with ``TRITON_INTERPRET=1`` (Triton reads the variable at
+    import, and this process may already have imported it without), its output to a file (a
+    pipe left unread would block it)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("PRHS_KERNELS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETED_DIR)]
+    log = tempfile.TemporaryFile("w+", encoding="utf-8")
+    process = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=INTERPRETED_DIR.parents[3],
+    )
+    return InterpretedRun(process, log)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if importlib.util.find_spec("triton") is None:
+        return
+    if any(item.nodeid.endswith(INTERPRETED_TEST) for item in session.items):
+        session.config.stash[INTERPRETED_RUN] = start_interpreted_run()
+
+
+def pytest_sessionfinish(session):
+    run = session.config.stash.get(INTERPRETED_RUN, None)
+    if run is not None:
+        run.stop()
+        del session.config.stash[INTERPRETED_RUN]
+
+
+@pytest.fixture
+def interpreted_result(request) -> tuple[int, str]:
+    """The interpreted suite's exit status and output: the run started at collection, or one
+    started now where none was (the test called some other way)."""
+    run = request.config.stash.get(INTERPRETED_RUN, None)
+    if run is None:
+        run = start_interpreted_run()
+        request.addfinalizer(run.stop)
+    return run.result()
