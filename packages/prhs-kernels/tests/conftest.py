@@ -346,9 +346,9 @@ def make_quest_case():
 # ---------------------------------------------------------------------------------------------
 # The interpreted suite (``interpreted/``, run by ``test_triton.py`` in a process of its own with
 # ``TRITON_INTERPRET=1``) is the longest part of the tests and runs on one core. It starts as soon
-# as collection finishes, beside the rest of the session, so a two-core CI machine runs both at
-# once; ``test_triton.py`` then waits for its result. Started only when that test is selected,
-# never by ``--collect-only``, and stopped at the end of a session that did not wait for it.
+# as collection finishes and its test runs last, so a two-core CI machine runs it beside every
+# other test; ``test_triton.py`` then waits for its result. Started only when that test is
+# selected, never by ``--collect-only``, and stopped at the end of a session that did not wait.
 # ---------------------------------------------------------------------------------------------
 
 INTERPRETED_TEST = "test_triton.py::test_triton_kernels_under_the_interpreter"
@@ -395,6 +395,13 @@ def start_interpreted_run() -> InterpretedRun:
         cwd=INTERPRETED_DIR.parents[3],
     )
     return InterpretedRun(process, log)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The interpreted suite's test last, so that every other test runs while it does."""
+    last = [item for item in items if item.nodeid.endswith(INTERPRETED_TEST)]
+    if last:
+        items[:] = [item for item in items if item not in last] + last
 
 
 def pytest_collection_finish(session):
