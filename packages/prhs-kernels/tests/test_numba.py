@@ -266,3 +266,44 @@ def test_launchers_dispatch(monkeypatch, caplog, forced):
         compose.union_indices([idx], torch.tensor([10, 10]), out_i, out_c)
     assert all(len(c) == (1 if forced else 0) for c in calls), calls
     assert ("union_indices runs its numba path on cpu" in caplog.text) is not forced
+
+
+# --- compiled code cached on disk ------------------------------------------------------------
+
+
+def _dispatchers(module):
+    from numba.core.registry import CPUDispatcher
+
+    return {n: f for n, f in vars(module).items() if isinstance(f, CPUDispatcher)}
+
+
+@pytest.mark.parametrize("name", ["compose", "topk", "louver", "rabitq"])
+def test_every_kernel_caches_its_compiled_code(name):
+    """Each process after the first loads the kernels instead of compiling them again (tens of
+    seconds on a small CPU: every SGLang scheduler and ``prhs-eval`` process pays it)."""
+    from numba.core.caching import FunctionCache
+
+    module = pytest.importorskip(f"prhs_kernels.{name}.numba")
+    kernels = _dispatchers(module)
+    assert kernels, f"no Numba kernel found in {module.__name__}"
+    for kname, kernel in kernels.items():
+        assert kernel.targetoptions.get("nogil"), kname
+        assert isinstance(kernel._cache, FunctionCache), f"{name}.{kname} is not cached"
+
+
+def test_a_kernel_without_a_writable_cache_location_compiles_per_process(monkeypatch):
+    """Where Numba finds no place to write its cache (a read-only install, no home), the
+    decorator still returns a working kernel, compiled once per process."""
+    from numba.core import caching
+
+    from prhs_kernels._jit import njit
+
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in Numba 0.59
+    monkeypatch.setattr(impl, "_locator_classes", [])
+
+    def add_one(x):
+        return x + 1
+
+    kernel = njit(add_one)
+    assert isinstance(kernel._cache, caching.NullCache)
+    assert kernel(41) == 42

@@ -7,10 +7,11 @@ span (dense rows) or sorts them (sparse rows), then writes the distinct ids asce
 at the output's width.
 
 Importing this module imports Numba; :mod:`prhs_kernels.compose` imports it only when the Numba
-path runs. The kernels compile (``cache=False``: once per process) at the first call for each
-index dtype; :func:`warm_up` compiles them for int32 and int64 ids (4–6 s on the shared 2-core
-CPU of the measurements, Numba's import and first-use set-up included); call it before serving
-to keep that out of a decode step.
+path runs. The kernels compile at the first call for each index dtype, and the compiled code
+is cached on disk (:mod:`prhs_kernels._jit`), so later processes load it; :func:`warm_up`
+compiles or loads them for int32 and int64 ids (4–6 s to compile on the shared 2-core CPU of
+the measurements, Numba's import and first-use set-up included); call it before serving to
+keep that out of a decode step.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 import torch
+
+from prhs_kernels._jit import njit
 
 __all__ = ["dilate_indices_numba", "union_indices_numba", "warm_up"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _union_rows(head, shared, limit, out_idx, out_cnt):
     """``out_idx [B, H, K]`` / ``out_cnt [B, H]`` (``out_idx`` filled with ``-1``): the distinct
     ids in ``[0, limit[b])`` of ``head [B, H, w1]`` and ``shared [B, w2]``, ascending."""
@@ -83,7 +85,7 @@ def _union_rows(head, shared, limit, out_idx, out_cnt):
             out_cnt[i, hh] = c
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _dilate_rows(idx, cnt, m, r, out):
     """``out [R, 2·r·m]`` (filled with ``-1``): ``p ± j`` around the first ``min(m, cnt)``
     non-negative entries ``p`` of each row of ``idx [R, M]``."""

@@ -19,25 +19,26 @@ differ from the reference's where two members' projections agree to within float
 compare radii), and every bound built on them holds for any permutation.
 
 Importing this module imports Numba; :mod:`prhs_kernels.louver` imports it only when the Numba
-path runs. The kernel compiles at its first call (``cache=False``: once per process);
-:func:`warm_up` does it up front.
+path runs. The kernel compiles at its first call (cached on disk for later processes:
+:mod:`prhs_kernels._jit`); :func:`warm_up` does it up front.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
+from prhs_kernels._jit import njit
 from prhs_kernels.louver.reference import POWER_ITERATIONS
 
 __all__ = ["balanced_clusters_numba", "warm_up"]
 
 
-@numba.njit(cache=False, nogil=True)
-def _split(x, perm, lo, m, centred, axis, tmp, proj, order, scratch):
+@njit
+def _split(x, perm, lo, m, centred, axis, tmp, proj, order, scratch, iterations):
     """Reorder ``perm[lo : lo + m]`` (indices into ``x [P, D]``) so the members whose
-    projections on the group's principal axis are smallest come first (stable)."""
+    projections on the group's principal axis (``iterations`` power iterations) are smallest
+    come first (stable)."""
     d = x.shape[1]
     for j in range(d):
         axis[j] = 0.0
@@ -53,7 +54,7 @@ def _split(x, perm, lo, m, centred, axis, tmp, proj, order, scratch):
             centred[i, j] = x[row, j] - axis[j]
     for j in range(d):
         axis[j] = centred[0, j] - centred[m - 1, j] + 1e-6
-    for _ in range(POWER_ITERATIONS):
+    for _ in range(iterations):
         for i in range(m):  # proj = C·v
             acc = 0.0
             for j in range(d):
@@ -83,8 +84,8 @@ def _split(x, perm, lo, m, centred, axis, tmp, proj, order, scratch):
         perm[lo + i] = scratch[i]
 
 
-@numba.njit(cache=False, nogil=True)
-def _cluster_groups(x, active, cluster_size, out):
+@njit
+def _cluster_groups(x, active, cluster_size, iterations, out):
     """``out [N, P]``: the clustering permutation of each group ``x [N, P, D]`` (the identity
     where ``active`` is false)."""
     n, p, d = x.shape
@@ -104,7 +105,7 @@ def _cluster_groups(x, active, cluster_size, out):
         while p // groups > cluster_size:
             m = p // groups
             for k in range(groups):
-                _split(x[g], perm, k * m, m, centred, axis, tmp, proj, order, scratch)
+                _split(x[g], perm, k * m, m, centred, axis, tmp, proj, order, scratch, iterations)
             groups *= 2
 
 
@@ -121,7 +122,7 @@ def balanced_clusters_numba(
     else:
         flags = active.detach().reshape(-1).to(torch.bool).contiguous().numpy()
     out = np.empty((n, p), np.int64)
-    _cluster_groups(x, flags, cluster_size, out)
+    _cluster_groups(x, flags, cluster_size, POWER_ITERATIONS, out)
     return torch.from_numpy(out).view(*lead, p).to(keys.device)
 
 

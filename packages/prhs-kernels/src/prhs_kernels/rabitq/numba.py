@@ -3,20 +3,21 @@
 is ``bits[j]``), one pass over the bits instead of the reference's int32 products and sum.
 
 Importing this module imports Numba; :mod:`prhs_kernels.rabitq` imports it only when the Numba
-path runs. The kernel compiles (``cache=False``: once per process) at its first call;
-:func:`warm_up` does it up front.
+path runs. The kernel compiles at its first call (cached on disk for later processes:
+:mod:`prhs_kernels._jit`); :func:`warm_up` does it up front.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
+
+from prhs_kernels._jit import njit
 
 __all__ = ["pack_bits_numba", "warm_up"]
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _pack(bits: np.ndarray, out: np.ndarray) -> None:
     """``out [N, D/8]`` uint8: the bits ``bits [N, D]`` (bool) eight to a byte, low bit first."""
     n, d = bits.shape

@@ -15,10 +15,11 @@ target (the dropped mass never increases along the order, so the reference's cou
 above the target is that stopping point).
 
 Importing this module imports Numba; :mod:`prhs_kernels.topk` imports it only when the Numba
-path runs. The kernels compile (``cache=False``: once per process) at the first call for each
-dtype; :func:`warm_up` compiles them for float32 and float64 scores (about 10 s on the shared
-2-core CPU of the measurements, Numba's first-use set-up included when it runs first); call it
-before serving to keep that out of a decode step. Half-precision scores are widened to float32
+path runs. The kernels compile at the first call for each dtype, and the compiled code is
+cached on disk (:mod:`prhs_kernels._jit`), so later processes load it; :func:`warm_up` compiles
+or loads them for float32 and float64 scores (about 10 s to compile on the shared 2-core CPU of
+the measurements, Numba's first-use set-up included when it runs first); call it before serving
+to keep that out of a decode step. Half-precision scores are widened to float32
 first (exact: the order and the ties are unchanged; ``±inf`` still map to the half dtype's
 extremes).
 """
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
+
+from prhs_kernels._jit import njit
 
 __all__ = ["top_p_indices_numba", "topk_indices_numba", "warm_up"]
 
@@ -38,7 +40,7 @@ _FULL_SORT = 16
 """A row keeping more than ``1/_FULL_SORT`` of its eligible entries is sorted in full."""
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _key(v, pmax, pmin):
     """Ascending rank key of score ``v``: ``-v`` after ``nan_to_num(nan=-inf)``."""
     if v != v:
@@ -50,14 +52,14 @@ def _key(v, pmax, pmin):
     return -v
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _worse(ka, ia, kb, ib):
     """Whether entry ``a`` ranks after entry ``b``: a larger key, or an equal key and a larger
     index (keys are negated scores, so the largest score first, ties toward the lower index)."""
     return ka > kb or (ka == kb and ia > ib)
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _sift_down(keys, pos, start, n):
     """Restore the heap (worst entry at the root) below ``start`` in ``keys[:n]``/``pos[:n]``."""
     i = start
@@ -74,7 +76,7 @@ def _sift_down(keys, pos, start, n):
         i = c
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _radix_sort(bits, pos, n, n_bytes, tmp_b, tmp_p):
     """Stable ascending sort of the ``n_bytes``-byte unsigned patterns ``bits[:n]`` (int64;
     ``pos[:n]`` alongside), least significant byte first; a byte that every key shares is
@@ -106,7 +108,7 @@ def _radix_sort(bits, pos, n, n_bytes, tmp_b, tmp_p):
         pos[:n] = tmp_p[:n]
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _top_order(x, elig, has_elig, row, length, pmax, pmin, sc, out):
     """Write the ``min(length, eligible)`` best entries of ``x[row]`` into ``out[:]``, best
     first, and return how many. Scores are ranked as the reference's ``nan_to_num(nan=-inf)``
@@ -172,14 +174,14 @@ def _top_order(x, elig, has_elig, row, length, pmax, pmin, sc, out):
     return kk
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _topk_rows(x, elig, has_elig, k, pmax, pmin, sc, out_idx, out_cnt):
     rows = x.shape[0]
     for row in range(rows):
         out_cnt[row] = _top_order(x, elig, has_elig, row, k, pmax, pmin, sc, out_idx[row])
 
 
-@numba.njit(cache=False, nogil=True)
+@njit
 def _top_p_rows(x, elig, has_elig, kept, target, cap, pmax, pmin, sc, out_idx, out_cnt):
     rows = x.shape[0]
     big = np.finfo(np.float64).max
