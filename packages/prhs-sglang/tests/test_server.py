@@ -204,7 +204,7 @@ def test_memory_is_flat_over_96_requests(small, passkey):
     assert rss_after - rss_before < 256 * 1024, (rss_before, rss_after)
 
 
-def test_prhs_eval_runs_its_tasks_against_the_server(small, model_dir, tmp_path):
+def test_prhs_eval_runs_its_tasks_against_the_server(small, model_dir, tmp_path, capsys):
     """``prhs-eval run NAME --server URL``: the accuracy tasks through SGLang's endpoint, the
     selector checked against the one the plugin reports."""
     import subprocess
@@ -236,11 +236,12 @@ def test_prhs_eval_runs_its_tasks_against_the_server(small, model_dir, tmp_path)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert rows and rows[0]["selector"] == "prhs"
     assert rows[0]["environment"]["server"]["url"] == small.url
-    wrong = subprocess.run(
-        [*cmd[:4], "cis", *cmd[5:-3], "--out", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert wrong.returncode == 2
-    assert "runs sparse attention 'prhs'" in wrong.stderr + wrong.stdout
+    # A selector other than the served one is refused before any request (in this process: the
+    # command line was run above).
+    from prhs_eval.cli import main
+
+    with pytest.raises(SystemExit) as wrong:
+        main([*cmd[3:4], "cis", *cmd[5:-3], "--out", str(tmp_path / "x")])
+    assert wrong.value.code == 2
+    assert "runs sparse attention 'prhs'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from dataclasses import dataclass
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def _launch(launch_cmd, env, model_dir, *args):
-    return subprocess.run(
-        launch_cmd(model_dir, *args), capture_output=True, text=True, timeout=300, env=env
-    )
-
-
-@pytest.fixture(scope="module")
-def unsupported_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mamba")
-    (d / "config.json").write_text(
+def _unsupported_model(directory):
+    (directory / "config.json").write_text(
         json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
     )
-    return d
+    return directory
 
 
 CASES = {
@@ -63,23 +57,55 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_bad_input_is_refused_while_parsing(server_env, model_dir, unsupported_model):
-    import sys
+@dataclass
+class Run:
+    """A command started in the background; :meth:`wait` gives its exit code and output."""
 
+    proc: subprocess.Popen[str]
+
+    def wait(self, timeout: float = 600) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            pytest.fail(f"{self.proc.args[:4]} still running after {timeout} s:\n{err[-3000:]}")
+        return self.proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def runs(launch_cmd, server_env, model_dir, tmp_path_factory):
+    """Both commands of this module, started together (each spends most of a minute importing
+    SGLang, on one core: together they take the time of one on a machine with two)."""
+    unsupported = _unsupported_model(tmp_path_factory.mktemp("mamba"))
     cases = {
         k: ["--model-path", str(model_dir), "--device", "cpu", *a] for k, (a, _) in CASES.items()
     }
-    cases["unsupported-model"] = ["--model-path", str(unsupported_model), "--sparse-attn", "cis"]
+    cases["unsupported-model"] = ["--model-path", str(unsupported), "--sparse-attn", "cis"]
     cases["good"] = ["--model-path", str(model_dir), "--device", "cpu", "--sparse-attn", "cis"]
-    done = subprocess.run(
-        [sys.executable, "-c", PARSE_ALL, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=server_env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    commands = {
+        "parse": [sys.executable, "-c", PARSE_ALL, json.dumps(cases)],
+        "launch": launch_cmd(model_dir, "--sparse-attn", "nope"),
+    }
+    started = {
+        name: Run(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env
+            )
+        )
+        for name, cmd in commands.items()
+    }
+    yield started
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.communicate()
+
+
+def test_bad_input_is_refused_while_parsing(runs):
+    code, out, err = runs["parse"].wait()
+    assert code == 0, err[-3000:]
+    result = json.loads(out.split("RESULT", 1)[1])
     for name, (_, message) in CASES.items():
         assert result[name][0] == 1 and message in result[name][1], (name, result[name])
     unsupported = result["unsupported-model"]
@@ -88,9 +114,9 @@ def test_bad_input_is_refused_while_parsing(server_env, model_dir, unsupported_m
     assert result["good"] == [0, ""]
 
 
-def test_launcher_fails_before_a_scheduler_starts(launch_cmd, server_env, model_dir):
-    out = _launch(launch_cmd, server_env, model_dir, "--sparse-attn", "nope")
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+def test_launcher_fails_before_a_scheduler_starts(runs):
+    code, out, err = runs["launch"].wait()
+    text = out + err
+    assert code != 0
     assert "error: --sparse-attn: unknown selector 'nope'. Known selectors:" in text, text[-3000:]
     assert "Load weight" not in text and "Scheduler hit an exception" not in text
