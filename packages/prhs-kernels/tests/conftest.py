@@ -220,6 +220,49 @@ def make_kv():
     return build_kv
 
 
+def build_codes(data: KVData, name: str, *, spare: int = 5):
+    """The code rows (:class:`prhs_kernels.keycodes.KeyCodes`) of layout ``name``'s keys, at
+    their KV locations: contiguous rows ``b · row_stride + t`` with ``row_stride = T + spare``,
+    paged the tokens' slots. Rows no position uses hold random bytes (a read of one shows)."""
+    from prhs_kernels.keycodes import KeyCodes, code_bytes, write_key_codes
+    from prhs_kernels.kv import token_locations
+
+    kv = data[name]
+    b, h, t, d = data.keys.shape
+    row_stride = t + spare
+    n_loc = b * row_stride if isinstance(kv, ContiguousKV) else kv.num_slots
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randint(
+        0, 256, (n_loc + 1, 2, h, code_bytes(d)), generator=gen, dtype=torch.uint8
+    )[:, 1]  # a strided view, as a layer's field
+    pos = torch.arange(t).view(1, -1).expand(b, -1)
+    loc = token_locations(kv, pos, row_stride).flatten()
+    keys = data.keys.transpose(1, 2).reshape(-1, h, d)
+    write_key_codes(rows, loc, torch.nan_to_num(keys), path="torch")
+    return KeyCodes(rows, row_stride)
+
+
+def grid_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` moved onto their own 4-bit grid (dequantised codes, in ``keys``' dtype): codes
+    of them score them exactly, up to float rounding."""
+    from prhs_kernels.keycodes import dequantize_keys_reference, quantize_keys_reference
+
+    d = keys.shape[-1]
+    return dequantize_keys_reference(quantize_keys_reference(keys), d).to(keys.dtype)
+
+
+@pytest.fixture
+def make_codes():
+    """:func:`build_codes`: a layout's keys as code rows at their KV locations."""
+    return build_codes
+
+
+@pytest.fixture
+def make_grid_keys():
+    """:func:`grid_keys`."""
+    return grid_keys
+
+
 @pytest.fixture
 def make_meta_layouts():
     """:func:`meta_layouts`: layouts on the ``meta`` device, for shape-only runs."""

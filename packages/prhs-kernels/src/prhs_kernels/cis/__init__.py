@@ -44,6 +44,7 @@ from prhs_kernels.cis.reference import (
     retrieval_block_scores_reference,
 )
 from prhs_kernels.compose.reference import window_widths
+from prhs_kernels.keycodes import KeyCodes, check_key_codes, code_key_layout
 from prhs_kernels.paths import announce, kernel_path
 from prhs_kernels.score import check_query, retrieval_probs
 from prhs_kernels.topk import topk_indices
@@ -187,6 +188,7 @@ def retrieval_block_scores(
     n_local: int,
     score: str = "max",
     fill_idle: bool = True,
+    codes: KeyCodes | None = None,
     path: str = "torch",
 ) -> torch.Tensor:
     """``[B, Hkv, ceil(T / s)]`` float32: each block's score on the ``active [B, Hkv]`` rows,
@@ -196,8 +198,11 @@ def retrieval_block_scores(
     mass the block holds). ``fill_idle=False``: the Triton path leaves the other rows unwritten
     (their values unspecified), for a caller that ranks the active rows only, as
     :func:`top_blocks` and :func:`retrieval_pool` do -- a decode step where most rows reuse then
-    writes nothing for them."""
+    writes nothing for them. ``codes``: score the keys' code rows
+    (:class:`prhs_kernels.keycodes.KeyCodes`) instead of the keys."""
     check_query(query, kv)
+    if codes is not None:
+        check_key_codes(kv, codes)
     check_bool_mask("active", active, (kv.batch_size, kv.num_kv_heads))
     check_int("block_size", block_size, minimum=1)
     check_block_score(score)
@@ -206,9 +211,10 @@ def retrieval_block_scores(
         from prhs_kernels.cis.triton import retrieval_block_scores_triton
 
         return retrieval_block_scores_triton(
-            query, kv, scaling, block_size, n_sink, n_local, active, score, fill_idle
-        )
-    probs = retrieval_probs(query, kv, scaling, active)
+            query, kv, scaling, block_size, n_sink, n_local, active, score, fill_idle,
+            codes=codes,
+        )  # fmt: skip
+    probs = retrieval_probs(query, kv, scaling, active, codes=codes)
     return retrieval_block_scores_reference(probs, kv, block_size, n_sink, n_local, active, score)
 
 
@@ -521,6 +527,7 @@ def retrieval_compose(
     score: str = "mass",
     hold_local: bool = False,
     any_retrieve: torch.Tensor | None = None,
+    codes: KeyCodes | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole retrieval after :func:`cis_decide_compose`: the retrieving rows' block scores
@@ -534,9 +541,12 @@ def retrieval_compose(
     the program that then ranks it (``mean_i exp(block_lse_i - lse_i)``: the block-score pass's
     mass, to float32 rounding). A step where no row retrieves then launches two kernels that
     find nothing to do, and the ``T``-long logits never reach memory. Otherwise it is those two
-    calls. Every argument is checked before anything is launched or written."""
+    calls. ``codes``: the scores from the keys' code rows. Every argument is checked before
+    anything is launched or written."""
     b = query.shape[0]
     check_query(query, kv)
+    if codes is not None:
+        check_key_codes(kv, codes)
     h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
     check_bool_mask("retrieve", retrieve, (b, h))
     check_bool_mask("bad", bad, (b, h))
@@ -557,7 +567,7 @@ def retrieval_compose(
     if not fused:
         scores = retrieval_block_scores(
             query, kv, scaling, retrieve, block_size=block_size, n_sink=n_sink,
-            n_local=n_local, score=score, fill_idle=False, path=path,
+            n_local=n_local, score=score, fill_idle=False, codes=codes, path=path,
         )  # fmt: skip
         return _top_blocks_compose(  # the arguments are checked above
             scores, m_top, query, retrieve, bad, anchor_q, anchor_len, anchor_idx, anchor_cnt,
@@ -572,7 +582,7 @@ def retrieval_compose(
     return retrieval_compose_triton(
         query, kv, scaling, k, retrieve, anchor_q, anchor_len, anchor_idx, anchor_cnt,
         anchor_log_delta, anchor_union, anchor_union_cnt, slots, kv.seq_lens,
-        block_size=block_size, n_sink=n_sink, n_local=n_local, m=m, r=r,
+        block_size=block_size, n_sink=n_sink, n_local=n_local, codes=codes, m=m, r=r,
         out_indices=out_indices, out_counts=out_counts, windows=(ws, wl),
         hold_local=hold_local, any_retrieve=any_retrieve,
     )  # fmt: skip
@@ -754,6 +764,7 @@ def cis_rescore(
     n_local: int,
     hold_local: bool = False,
     score: str = "mass",
+    codes: KeyCodes | None = None,
     path: str = "torch",
 ) -> None:
     """Re-rank the anchor pool of each ``reuse [B, Hkv]`` row at the current query, in place
@@ -764,8 +775,11 @@ def cis_rescore(
     key rows per row. On a Triton ``path`` (:func:`cis_path`): the scores in two launches
     (programs of a row's pool split, keys read in place, logits through a scratch row, each
     split's log-sum-exps merged), the ranking by the top-k kernel and the pools rewritten by a
-    third launch."""
+    third launch. ``codes``: score the keys' code rows (:class:`prhs_kernels.keycodes.KeyCodes`,
+    ``D/2 + 8`` bytes a key) instead of the keys."""
     check_query(query, kv)
+    if codes is not None:
+        check_key_codes(kv, codes)
     b = query.shape[0]
     h = _check_anchors(anchor_len, slots, kv.seq_lens, b)
     n = anchor_len.shape[0]
@@ -791,8 +805,9 @@ def cis_rescore(
 
         fields = (anchor_len, anchor_idx, anchor_cnt, anchor_next, slots)
         scores = rescore_scores_triton(
-            query, kv, scaling, reuse, *fields, block_size, n_sink, n_local, hold_local, score
-        )
+            query, kv, scaling, reuse, *fields, block_size, n_sink, n_local, hold_local, score,
+            codes,
+        )  # fmt: skip
         m = anchor_idx.shape[-1]
         if top_blocks_fits(scores.shape[-1], m):
             chosen, val = rank(scores, m, reuse)
@@ -800,6 +815,8 @@ def cis_rescore(
             val, chosen = torch.topk(scores, m, dim=-1)
         rescore_write_triton(chosen, val, reuse, anchor_idx, anchor_cnt, anchor_next, slots)
         return
+    if codes is not None:  # the dequantised keys, scored in float32
+        query, kv = query.float(), code_key_layout(kv, codes)
     cis_rescore_reference(
         query, kv, scaling, reuse, anchor_len, anchor_idx, anchor_cnt, anchor_next, slots,
         block_size=block_size, n_sink=n_sink, n_local=n_local, hold_local=hold_local,

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 
 from prhs_core.layout import KVLayout
+from prhs_kernels.keycodes import KeyCodes
+from prhs_kernels.keycodes.triton import code_scores
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
@@ -1291,6 +1293,7 @@ def retrieval_block_scores_triton(
     active: torch.Tensor,
     score: str = "max",
     fill_idle: bool = True,
+    codes: KeyCodes | None = None,
 ) -> torch.Tensor:
     b, hq, _ = query.shape
     h = kv.num_kv_heads
@@ -1299,7 +1302,7 @@ def retrieval_block_scores_triton(
     s = block_size
     nb = -(-t // s)
     logits, sm, sl, n_spans, block_g, _ = score_triton.retrieval_logits_triton(
-        query, kv, scaling, active
+        query, kv, scaling, active, codes=codes
     )
     # Rows padded to a multiple of 16 scores: the top-k's loads stay vectorised whatever nb is.
     nb_pad = -(-nb // 16) * 16
@@ -1482,6 +1485,7 @@ def retrieval_compose_triton(
     block_size: int,
     n_sink: int,
     n_local: int,
+    codes: KeyCodes | None = None,
     **compose_kw: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval by block mass in two launches: the logits pass writing each block's
@@ -1494,7 +1498,7 @@ def retrieval_compose_triton(
     h = kv.num_kv_heads
     g = hq // h
     blse, sm, sl, n_spans, block_g = score_triton.retrieval_block_lse_triton(
-        query, kv, scaling, retrieve, block_size
+        query, kv, scaling, retrieve, block_size, codes
     )
     nb = -(-kv.max_len // block_size)
     nb_pad = -(-nb // 16) * 16  # as retrieval_block_scores_triton's rows
@@ -1530,7 +1534,7 @@ def _rescore_logits_kernel(
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
     PAGED: tl.constexpr, HAS_START: tl.constexpr, HOLD: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    CODES: tl.constexpr, BLOCK_DH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split): the logits of the split's pool entries (split 0: and of the sink's
     # and the local window's keys) into the row's scratch, and each head's running max and sum
@@ -1562,6 +1566,14 @@ def _rescore_logits_kernel(
             mask=g_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        if CODES:  # K holds code rows (prhs_kernels.keycodes): the query's two halves
+            offs_c = tl.arange(0, BLOCK_DH)
+            c_ok = offs_c < D // 2
+            q_base = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+            qc_mask = g_ok[:, None] & c_ok[None, :]
+            q_lo = tl.load(q_base + offs_c[None, :], mask=qc_mask, other=0.0)
+            q_hi = tl.load(q_base + D // 2 + offs_c[None, :], mask=qc_mask, other=0.0)
+            q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
         req = 0
         if PAGED:
             req = tl.load(REQIDX + b).to(tl.int64)
@@ -1579,13 +1591,18 @@ def _rescore_logits_kernel(
                 k_row = slot_w.to(tl.int64) * stride_kt + h * stride_kh
             else:
                 k_row = b.to(tl.int64) * stride_kb + h * stride_kh + (pos_w + pad) * stride_kt
-            k = tl.load(
-                K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0
-            )
-            if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
-                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if CODES:
+                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok_w, offs_c, c_ok, D // 2, UPCAST)
             else:
-                qk = tl.dot(q, tl.trans(k))
+                k = tl.load(
+                    K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :],
+                    other=0.0,
+                )  # fmt: skip
+                if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+                    qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                                input_precision="ieee")  # fmt: skip
+                else:
+                    qk = tl.dot(q, tl.trans(k))
             qk = tl.where(ok_w[None, :], qk * scaling, float("-inf"))
             m_i = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -1609,13 +1626,17 @@ def _rescore_logits_kernel(
                 kr = slot_k * stride_kt + h * stride_kh
             else:
                 kr = b.to(tl.int64) * stride_kb + h * stride_kh + (pos + pad) * stride_kt
-            kp = tl.load(
-                K + kr[:, None] + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
-            )
-            if UPCAST:
-                qkp = tl.dot(q.to(tl.float32), tl.trans(kp.to(tl.float32)), input_precision="ieee")
+            if CODES:
+                qkp = code_scores(q_lo, q_hi, q_sum, K, kr, ok, offs_c, c_ok, D // 2, UPCAST)
             else:
-                qkp = tl.dot(q, tl.trans(kp))
+                kp = tl.load(
+                    K + kr[:, None] + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+                )
+                if UPCAST:
+                    qkp = tl.dot(q.to(tl.float32), tl.trans(kp.to(tl.float32)),
+                                 input_precision="ieee")  # fmt: skip
+                else:
+                    qkp = tl.dot(q, tl.trans(kp))
             qkp = tl.where(ok[None, :], qkp * scaling, float("-inf"))
             tl.store(scr + (e0 * BS + v)[None, :], qkp, mask=g_ok[:, None] & in_pool[None, :])
             m_new = tl.maximum(m_i, tl.max(qkp, 1))
@@ -1790,13 +1811,15 @@ def rescore_scores_triton(
     n_local: int,
     hold_local: bool,
     score: str,
+    codes: KeyCodes | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, P]`` float32, ``P = M + R``: each pool entry's score at the current query (each
     head's probabilities over the pool's keys, the sink's and the local window's, averaged over
     the group; the block's sum or max), ``-inf`` for empty entries and rows that do not reuse.
     The pool is read from the anchor fields of each row's slot (the list's first
     ``anchor_cnt`` entries, then the next blocks). Two launches over ``(row, split)`` programs:
-    the logits into a scratch row and each split's partial log-sum-exps, then the scores."""
+    the logits into a scratch row and each split's partial log-sum-exps, then the scores.
+    ``codes``: the logits from the keys' code rows (:mod:`prhs_kernels.keycodes`)."""
 
     b, hq, d = query.shape
     h = kv.num_kv_heads
@@ -1816,6 +1839,10 @@ def rescore_scores_triton(
     if query.stride(-1) != 1:
         query = query.contiguous()
     k, (skb, skh, skt), req2tok, reqidx, stride_rt, start, has_start, paged = key_args(kv)
+    if codes is not None:  # one code row per location, no left padding
+        k = codes.rows
+        skt, skh = k.stride(0), k.stride(1)
+        skb, has_start = codes.row_stride * skt, False
     if k.stride(-1) != 1:
         raise ValueError("the Triton path needs a cache whose last dim is contiguous")
     flags = reuse.contiguous().view(torch.int8)
@@ -1830,7 +1857,8 @@ def rescore_scores_triton(
         n_split,
         HKV=h, G=g, BLOCK_G=block_g, D=d, BLOCK_D=_pow2(d, 16), BS=s, BLOCK_E=block_e,
         BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
-        UPCAST=interpreting(), **pdl_args(query.device, "cis"), num_warps=4,
+        UPCAST=interpreting(), CODES=codes is not None, BLOCK_DH=_pow2(d // 2, 16),
+        **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     scores[(b * h, n_split)](
         *fields, slots, flags, scr, part, out, *strides, n_pool, m_list, chunk, n_split,

@@ -17,6 +17,7 @@ import torch
 
 from prhs_core.checks import check_bool_mask, check_device, check_float_tensor, shape_str
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_kernels.keycodes import KeyCodes, check_key_codes, code_key_layout
 from prhs_kernels.paths import announce, kernel_path
 from prhs_kernels.score.cuda import score_keys_bmm, supports_bmm
 from prhs_kernels.score.reference import (
@@ -102,6 +103,7 @@ def retrieval_probs(
     active: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    codes: KeyCodes | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, T]`` float32 group-mean attention probability of every position
     ``t < T = kv.max_len`` (0 past each sequence's end) for ``query [B, Hq, D]``: the mean over
@@ -109,9 +111,13 @@ def retrieval_probs(
 
     ``active [B, Hkv]`` bool: the rows to score (``None``: all); the other rows are set to 0 and,
     on the Triton path, none of their keys is read. ``out`` is written in place when given.
+    ``codes``: score the keys' code rows (:class:`prhs_kernels.keycodes.KeyCodes`, 4-bit keys)
+    instead of the keys; the torch path scores their dequantised keys in float32.
     """
     check_query(query, kv)
     b, h, t = kv.batch_size, kv.num_kv_heads, kv.max_len
+    if codes is not None:
+        check_key_codes(kv, codes)
     if active is not None:
         check_bool_mask("active", active, (b, h))
         check_device(("query", "active"), (query, active))
@@ -127,8 +133,12 @@ def retrieval_probs(
     if path.startswith("triton"):
         from prhs_kernels.score.triton import retrieval_probs_triton
 
-        return retrieval_probs_triton(query, kv, scaling, active, out)
-    probs = retrieval_probs_reference(score_keys(query, kv, scaling), active)
+        return retrieval_probs_triton(query, kv, scaling, active, out, codes=codes)
+    if codes is not None:
+        logits = score_keys(query.float(), code_key_layout(kv, codes), scaling)
+    else:
+        logits = score_keys(query, kv, scaling)
+    probs = retrieval_probs_reference(logits, active)
     if out is not None:
         out.copy_(probs)
         return out

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from prhs_core.layout import KVLayout
+from prhs_kernels.keycodes import KeyCodes
+from prhs_kernels.keycodes.triton import code_scores
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
@@ -90,6 +92,8 @@ def _logits_kernel(
     Q_LABELS: tl.constexpr,
     K_LABELS: tl.constexpr,
     LSE_BS: tl.constexpr,
+    CODES: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
@@ -133,6 +137,14 @@ def _logits_kernel(
         q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        if CODES:  # K holds code rows (prhs_kernels.keycodes): the query's two halves
+            offs_c = tl.arange(0, BLOCK_DH)
+            c_ok = offs_c < D // 2
+            q_base = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+            qc_mask = g_ok[:, None] & c_ok[None, :]
+            q_lo = tl.load(q_base + offs_c[None, :], mask=qc_mask, other=0.0)
+            q_hi = tl.load(q_base + D // 2 + offs_c[None, :], mask=qc_mask, other=0.0)
+            q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
         if PAGED:
             req = tl.load(REQIDX + b).to(tl.int64)
         if HAS_START:
@@ -153,15 +165,18 @@ def _logits_kernel(
                 if HAS_START:
                     t = pos64 + start
                 k_row = b.to(tl.int64) * stride_kb + h * stride_kh + t * stride_kt
-            k_mask = ok[:, None] & d_ok[None, :]
-            if K_LABELS:
-                k = tl.load(K + k_row[:, None] + chan[None, :], mask=k_mask, other=0.0)
+            if CODES:
+                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok, offs_c, c_ok, D // 2, UPCAST)
             else:
-                k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
-            if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
+                k_mask = ok[:, None] & d_ok[None, :]
+                if K_LABELS:
+                    k = tl.load(K + k_row[:, None] + chan[None, :], mask=k_mask, other=0.0)
+                else:
+                    k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
+                if UPCAST:  # the interpreter multiplies bf16 as integers: exact float32 instead
+                    qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))
             qk = tl.where(ok[None, :], qk * scaling, float("-inf"))
             if LSE_BS > 0:
                 # Spans and tiles start on block boundaries (LSE_BS divides BLOCK_T).
@@ -259,19 +274,26 @@ def retrieval_logits_triton(
     *,
     labels: torch.Tensor | None = None,
     key_cache: tuple[torch.Tensor, int] | None = None,
+    codes: KeyCodes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """The first pass: ``(logits [B * Hkv * g, T], span max, span sum, spans, BLOCK_G, span
-    length)``; rows not ``active`` are left unwritten.
+    length)``; rows not ``active`` are left unwritten. ``codes``: score the keys' code rows
+    (:mod:`prhs_kernels.keycodes`) instead of the keys.
 
     ``labels [B, Hkv, r]`` (integer channel ids): score only those channels of the query and
     of each key. ``key_cache = (cache [R, Hkv, r], row_stride)``: read the keys' label channels
     from ``cache`` (row ``b * row_stride + t`` of a contiguous cache, the token's slot of a
     paged one) instead of the key rows; needs ``labels``."""
-    return _logits_pass(query, kv, scaling, active, labels, key_cache, 0)
+    return _logits_pass(query, kv, scaling, active, labels, key_cache, 0, codes)
 
 
 def retrieval_block_lse_triton(
-    query: torch.Tensor, kv: KVLayout, scaling: float, active: torch.Tensor, block_size: int
+    query: torch.Tensor,
+    kv: KVLayout,
+    scaling: float,
+    active: torch.Tensor,
+    block_size: int,
+    codes: KeyCodes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """The first pass writing, instead of the logits, each block's log-sum-exp of them:
     ``(block lse [B * Hkv * g, NB_pad] (columns past NB unwritten, NB_pad a multiple of 16),
@@ -279,13 +301,14 @@ def retrieval_block_lse_triton(
     attention mass for query head ``i`` is then ``exp(block_lse - lse_i)``, ``lse_i`` merged
     from the span statistics: what :func:`prhs_kernels.cis.retrieval_compose`'s top-k scores
     from, without the ``T``-long logits ever reaching memory. ``block_size`` must be a power of
-    two of at most ``TUNING["block_t"]`` (:func:`block_lse_fits`)."""
+    two of at most ``TUNING["block_t"]`` (:func:`block_lse_fits`). ``codes``: from the keys'
+    code rows."""
     if not block_lse_fits(block_size):
         raise ValueError(
             f"block_size must be a power of two of at most {TUNING['block_t']}, got {block_size}"
         )
     out, sm, sl, n_spans, block_g, _ = _logits_pass(query, kv, scaling, active, None, None,
-                                                    block_size)  # fmt: skip
+                                                    block_size, codes)  # fmt: skip
     return out, sm, sl, n_spans, block_g
 
 
@@ -303,6 +326,7 @@ def _logits_pass(
     labels: torch.Tensor | None,
     key_cache: tuple[torch.Tensor, int] | None,
     lse_bs: int,
+    codes: KeyCodes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     b, hq, d = query.shape
     hkv = kv.num_kv_heads
@@ -332,6 +356,8 @@ def _logits_pass(
             slb, slh = lab.stride(0), lab.stride(1)
     else:
         lab, slb, slh = kv.seq_lens, 0, 0  # unused
+    if codes is not None:  # read like a key cache, one code row per location
+        key_cache = (codes.rows, codes.row_stride)
     if key_cache is not None:
         k, row_stride = key_cache
         skt, skh = k.stride(0), k.stride(1)
@@ -350,7 +376,8 @@ def _logits_pass(
         BLOCK_T=block_t, SPAN=span, PAGED=paged, HAS_START=has_start, HAS_ACTIVE=has_active,
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
-        LSE_BS=lse_bs, **pdl_args(dev, "score"), num_warps=TUNING["num_warps"],
+        LSE_BS=lse_bs, CODES=codes is not None, BLOCK_DH=max(16, triton.next_power_of_2(d // 2)),
+        **pdl_args(dev, "score"), num_warps=TUNING["num_warps"],
         num_stages=TUNING["num_stages"],
     )  # fmt: skip
     return logits, sm, sl, n_spans, block_g, span
@@ -365,9 +392,10 @@ def retrieval_probs_triton(
     *,
     labels: torch.Tensor | None = None,
     key_cache: tuple[torch.Tensor, int] | None = None,
+    codes: KeyCodes | None = None,
 ) -> torch.Tensor:
-    """The launcher's Triton path (inputs checked): ``[B, Hkv, T]`` float32. ``labels`` and
-    ``key_cache`` as :func:`retrieval_logits_triton` (label scoring)."""
+    """The launcher's Triton path (inputs checked): ``[B, Hkv, T]`` float32. ``labels``,
+    ``key_cache`` and ``codes`` as :func:`retrieval_logits_triton`."""
     b, hq, _ = query.shape
     hkv = kv.num_kv_heads
     g = hq // hkv
@@ -376,7 +404,7 @@ def retrieval_probs_triton(
     if out is None or out.stride(-1) != 1:
         out = torch.empty(b, hkv, t_max, dtype=torch.float32, device=query.device)
     logits, sm, sl, n_spans, block_g, span = retrieval_logits_triton(
-        query, kv, scaling, active, labels=labels, key_cache=key_cache
+        query, kv, scaling, active, labels=labels, key_cache=key_cache, codes=codes
     )
     flags = active.reshape(-1).view(torch.uint8) if active is not None else kv.seq_lens
     _, probs_kernel = _kernels(interpreting())
