@@ -207,6 +207,10 @@ class DecodeSimulator:
     kv_offset:
         Paged layouts: the first pool slot this simulator uses (a multiple of 16), so that
         simulators sharing one state use disjoint KV locations.
+    key_grid:
+        Put every key on its own 4-bit grid (:mod:`prhs_kernels.keycodes`): then a selector
+        that scores code rows (CIS's ``scorer="int4"``) scores these keys exactly, to float
+        rounding, and the brute-force references of exact scoring hold for it too.
     """
 
     def __init__(
@@ -227,6 +231,7 @@ class DecodeSimulator:
         value_dim: int | None = None,
         row_ids: Sequence[int] | None = None,
         kv_offset: int = 0,
+        key_grid: bool = False,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -249,6 +254,13 @@ class DecodeSimulator:
         self._gens = [torch.Generator().manual_seed(seed * 100_003 + 7 * i + 1) for i in ids]
         m = self.t_cap
         self.keys = [self._rows(num_kv_heads, m, head_dim) for _ in range(num_layers)]
+        if key_grid:
+            from prhs_kernels.keycodes import dequantize_keys_reference, quantize_keys_reference
+
+            self.keys = [
+                dequantize_keys_reference(quantize_keys_reference(k), head_dim).to(dtype)
+                for k in self.keys
+            ]
         self.values = [self._rows(num_kv_heads, m, dv) for _ in range(num_layers)]
         self.queries = [self._rows(num_q_heads, head_dim) for _ in range(num_layers)]
         self.attachments: list[Attachment] = []

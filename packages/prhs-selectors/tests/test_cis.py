@@ -60,15 +60,20 @@ def test_dilation_adds_exactly_p_plus_minus_j(seed, m, r):
     ("block_size", "block_score", "hold"),
     [(1, "max", True), (4, "max", False), (4, "mass", True), (1, "mass", False)],
 )
+@pytest.mark.parametrize("scorer", ["int4", "exact"])
 def test_paper_mode_reuses_exactly_when_the_rule_says(
-    make_sim, tools, layout, block_size, block_score, hold
+    make_sim, tools, layout, block_size, block_score, hold, scorer
 ):
+    """The reuse rule, what a reuse and a retrieval read, against brute force over exact
+    logits; with ``scorer="int4"`` the keys lie on their 4-bit grid, so that the codes score
+    them exactly and the same references hold."""
     cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1,
-                    block_score=block_score, hold_local=hold)  # fmt: skip
+                    block_score=block_score, hold_local=hold, scorer=scorer)  # fmt: skip
     sel = CIS(cfg)
     steps = 14
     sim = make_sim(
         [57, 40, 33],
+        key_grid=scorer == "int4",
         num_q_heads=4,
         num_kv_heads=2,
         head_dim=16,
@@ -248,19 +253,22 @@ def _pool(state, slot: int, layer: int, h: int) -> list[int]:
 @pytest.mark.parametrize(
     ("block_size", "block_score", "hold"), [(1, "mass", True), (4, "mass", False), (2, "max", True)]
 )
+@pytest.mark.parametrize("scorer", ["int4", "exact"])
 def test_rescore_reads_the_best_of_the_anchors_pool_at_each_query(
-    make_sim, tools, layout, block_size, block_score, hold
+    make_sim, tools, layout, block_size, block_score, hold, scorer
 ):
     """A retrieval keeps the next ``rescore`` positions of its ranking with its list; a reuse
     re-ranks that pool by the group's probabilities normalised over what it reads (pool, sink,
     local window) and reads the best ``k`` (with the dilation of their top ``m``); the pool
-    itself lasts until the next retrieval."""
+    itself lasts until the next retrieval. ``scorer="int4"``: on keys on their 4-bit grid,
+    which the codes score exactly."""
     cfg = CISConfig(budget=8, n_sink=2, n_local=6, block_size=block_size, tau=0.8, n_den=2, r=1,
-                    block_score=block_score, hold_local=hold, rescore=8)  # fmt: skip
+                    block_score=block_score, hold_local=hold, rescore=8,
+                    scorer=scorer)  # fmt: skip
     sel = CIS(cfg)
     steps, b, h, g, d, s = 14, 3, 2, 2, 16, block_size
     sim = make_sim([57, 40, 33], num_q_heads=h * g, num_kv_heads=h, head_dim=d, layout=layout,
-                   max_new_tokens=steps, seed=5)  # fmt: skip
+                   max_new_tokens=steps, seed=5, key_grid=scorer == "int4")  # fmt: skip
     state = sim.attach(sel)
     k_blocks, n_next = max(1, cfg.budget // s), -(-cfg.rescore // s)
     m = k_blocks // cfg.n_den
@@ -530,11 +538,47 @@ def test_certified_state_layouts():
     assert st.side is None and glob.side_page_size() == 1
     assert tuple(st.pool["anchor_log_delta"].shape[1:]) == (2, 2, 2)
     assert not glob.state_per_location
-    paper = CIS(CISConfig(budget=8, tau=0.8))
+    paper = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
     assert paper.init_state(spec, capacity=1, max_seq_len=100).side is None
 
 
+def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim):
+    """``scorer="int4"`` (paper mode's default): a side cache of one ``D/2 + 8``-byte code row
+    per (location, layer, KV head), a function of the key alone (prefix sharing is safe), and a
+    retrieval or re-ranking counted at those bytes, not the keys'."""
+    from prhs_core.config import AttentionSpec
+    from prhs_kernels.keycodes import dequantize_keys_reference
+
+    assert CISConfig().key_codes and not CISConfig(delta_max=0.1).key_codes
+    assert not CISConfig(scorer="exact").key_codes
+    spec = AttentionSpec(2, 4, 2, 16)
+    sel = CIS(CISConfig(budget=8, tau=0.8))
+    st = sel.init_state(spec, capacity=2, max_seq_len=100)
+    assert st.side is not None and sel.side_page_size() == 1 and not sel.state_per_location
+    assert st.side["cis_codes"].dtype == torch.uint8
+    assert tuple(st.side["cis_codes"].shape[1:]) == (2, 2, 16)  # D/2 + 8 bytes
+    # The codes follow the keys written, at their locations.
+    sim = make_sim([40, 25], num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, seed=3)
+    st = sim.attach(sel)
+    codes = sel.key_codes(st, 1)
+    kv = sim.kv(1)
+    loc = 0 * st.row_stride + 30  # row 0, position 30
+    back = dequantize_keys_reference(codes.rows[loc], 16)
+    key = sim.keys[1][0, :, 30].float()
+    step = codes.rows[loc, :, 12:].contiguous().view(torch.float32)
+    assert bool(((back - key).abs() <= step / 2 + 1e-6).all())
+    # Bytes: a retrieval reads one code row (D/2 + 8 = 16 bytes) per position.
+    exact = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
+    exact.init_state(spec, capacity=2, max_seq_len=100)
+    assert sel.key_row_bytes(kv) == 16 and exact.key_row_bytes(kv) == 16 * 4
+    assert torch.equal(sel.retrieval_bytes(kv), kv.seq_lens.view(-1, 1).double() * 16)
+
+
 def test_cis_config_errors():
+    with pytest.raises(ValueError, match="scorer must be one of"):
+        CISConfig(scorer="int8")
+    with pytest.raises(ValueError, match="scorer='int4' applies to paper mode"):
+        CISConfig(delta_max=0.1, scorer="int4")
     with pytest.raises(ValueError, match="tau"):
         CISConfig(tau=1.5)
     with pytest.raises(ValueError, match="budget"):

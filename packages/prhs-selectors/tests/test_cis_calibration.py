@@ -263,16 +263,18 @@ def test_fixed_tau_needs_no_prompt():
 @pytest.mark.parametrize("rescore", [None, 0])
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_the_prompts_last_query_becomes_the_anchor(block_size, rescore):
-    """After the calibration a row's anchor is what a retrieval by the prompt's last query
-    stores, so the first decode step can reuse it (without ``rescore``, its union too: what
-    the Triton composition of a reuse copies)."""
+    """After the calibration a row's anchor is what an exact retrieval by the prompt's last
+    query stores (the replay scores the prompt's keys), so the first decode step can reuse it
+    (without ``rescore``, its union too: what the Triton composition of a reuse copies)."""
     n, w = 150, 12
     queries, keys = _prompt(7, w=w, n=n)
     kv = ContiguousKV(keys[None], keys[None], torch.tensor([n], dtype=torch.int32))
     seeded, state = _auto_cis(prompt_queries=w, block_size=block_size, rescore=rescore)
     for layer in range(3):
         seeded.observe_prompt(state, layer, [1], queries[None], kv, 0.25)
-    fresh, ref = _auto_cis(tau=0.8, block_size=block_size, rescore=rescore)  # it retrieves
+    fresh, ref = _auto_cis(
+        tau=0.8, block_size=block_size, rescore=rescore, scorer="exact"
+    )  # it retrieves
     plan = fresh.make_plan(ref, batch_size=1, scaling=0.25, checked=True)
     plan.update(torch.tensor([n], dtype=torch.int32), torch.tensor([1]))
     fresh.select(plan, 2, queries[-1:], kv, ref)

@@ -55,6 +55,13 @@ def test_cis_state_is_at_most_one_mib_per_request(name, fields) -> None:
     if not sel.uses_side_cache():
         assert sizes["side_cache"] == 0
         return
+    if sel.config.key_codes:
+        # Paper mode scores code rows: D/2 + 8 bytes per location, layer and KV head, 28 % of
+        # the K pool (14 % of the KV pool).
+        per_loc = SPEC.num_layers * SPEC.num_kv_heads * (SPEC.head_dim // 2 + 8)
+        assert sizes["side_cache"] == (LOCATIONS + 1) * per_loc
+        assert sizes["side_cache"] <= K_POOL_BYTES * 0.282
+        return
     # The per-page certificate: per page of 16 locations, layer and KV head, the key box (2·D
     # bf16) and the anchor's two float32 masses per query head: 13.3 % of the K pool.
     g = SPEC.num_q_heads // SPEC.num_kv_heads

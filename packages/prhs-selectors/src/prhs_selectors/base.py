@@ -524,10 +524,14 @@ class BaseSelector:
         union_indices([sink, *parts, local], self.num_blocks(kv), sel.indices, sel.counts)
         return sel
 
+    def key_row_bytes(self, kv: KVLayout) -> int:
+        """Bytes a retrieval reads per cached key: the key, in the cache dtype."""
+        return kv.head_dim * torch.empty((), dtype=kv.dtype).element_size()
+
     def retrieval_bytes(self, kv: KVLayout) -> torch.Tensor:
-        """``[B, 1]`` float64 bytes of keys read by scoring every cached key."""
-        elem = torch.empty((), dtype=kv.dtype).element_size()
-        return kv.seq_lens.view(-1, 1).to(torch.float64) * (kv.head_dim * elem)
+        """``[B, 1]`` float64 bytes read by scoring every cached key (:meth:`key_row_bytes`
+        each)."""
+        return kv.seq_lens.view(-1, 1).to(torch.float64) * self.key_row_bytes(kv)
 
     def record(
         self,

@@ -73,6 +73,7 @@ from prhs_kernels.cis import (
 )
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.graphs import run_if
+from prhs_kernels.keycodes import KeyCodes, code_bytes, write_key_codes
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.topk import topk_indices
@@ -84,6 +85,7 @@ __all__ = [
     "CERTIFICATES",
     "CIS",
     "FALLBACK_TAU",
+    "SCORERS",
     "CISConfig",
 ]
 
@@ -97,6 +99,8 @@ FALLBACK_TAU = 0.72
 #: Certified mode's certificates, and the page of the per-page one (positions).
 CERTIFICATES = ("page", "global")
 EXPANSIONS = ("dilate", "random")
+#: What a paper-mode retrieval and re-ranking score: 4-bit key codes, or the keys.
+SCORERS = ("int4", "exact")
 DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
 #: The ratio is lower when reuses re-rank their anchor's pool (``rescore``): they then lose a
@@ -216,6 +220,13 @@ class CISConfig(SelectorConfig):
         Certified retrieval: the top-p set's dropped-mass target (default ``delta_max / 2``).
     k_max:
         Certified retrieval: cap on the top-p set, in positions (default ``4·k``).
+    scorer:
+        Paper mode: what a retrieval and a re-ranking (``rescore``) score, ``"int4"`` (a side
+        cache of 4-bit keys written at every K/V write, :mod:`prhs_kernels.keycodes`:
+        ``D/2 + 8`` bytes a key, 28 % of a bf16 key at ``D = 128``) or ``"exact"`` (the keys).
+        The attention always reads the exact keys and values of what is selected. ``None``
+        (the default): ``"int4"`` in paper mode, ``"exact"`` in certified mode (whose
+        certificate needs exact logits).
     """
 
     budget: int = 64
@@ -237,6 +248,7 @@ class CISConfig(SelectorConfig):
     require_cosine: bool = True
     delta_target: float | None = None
     k_max: int | None = None
+    scorer: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -252,6 +264,8 @@ class CISConfig(SelectorConfig):
             check_int("rescore", self.rescore, minimum=0)
         if not isinstance(self.require_cosine, bool):
             raise TypeError("require_cosine must be a bool")
+        if self.scorer is not None and self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {SCORERS} (or None), got {self.scorer!r}")
         self._check_auto()
         if self.delta_max is None:
             if not self.require_cosine:
@@ -279,6 +293,11 @@ class CISConfig(SelectorConfig):
             raise ValueError(
                 "rescore applies to paper mode: a certified reuse reads the anchor's set, the one "
                 "its certificate bounds (set delta_max=None, or rescore=0)"
+            )
+        if self.scorer == "int4":
+            raise ValueError(
+                "scorer='int4' applies to paper mode: a certified retrieval's dropped mass is "
+                "computed from exact logits (set delta_max=None, or scorer='exact')"
             )
         if self.certificate is not None and self.certificate not in CERTIFICATES:
             raise ValueError(f"certificate must be one of {CERTIFICATES}, got {self.certificate!r}")
@@ -333,6 +352,14 @@ class CISConfig(SelectorConfig):
         if self.rescore is not None:
             return self.rescore
         return 0 if self.certified else DEFAULT_RESCORE_FACTOR * self.budget
+
+    @property
+    def key_codes(self) -> bool:
+        """Whether retrievals and re-rankings score the side cache of 4-bit keys: ``scorer``,
+        or with ``None`` in paper mode."""
+        if self.scorer is not None:
+            return self.scorer == "int4"
+        return not self.certified
 
     @property
     def auto_queries(self) -> int:
@@ -448,12 +475,20 @@ class CIS(BaseSelector):
         return self.config.page_certified
 
     def side_page_size(self) -> int:
-        """The per-page certificate's page (1 otherwise: no side cache)."""
+        """The per-page certificate's page (1 otherwise)."""
         return self.config.page_size if self.config.page_certified else 1
 
     def uses_side_cache(self) -> bool:
-        """The per-page certificate keeps each page's key minima and maxima."""
-        return self.config.page_certified
+        """The per-page certificate keeps each page's key minima and maxima; paper mode with
+        ``scorer="int4"`` each key's code row."""
+        return self.config.page_certified or self.config.key_codes
+
+    def key_codes(self, state: SelectorState, layer: int) -> KeyCodes | None:
+        """``layer``'s code rows as the scorers read them (``None`` without them)."""
+        if not self.config.key_codes:
+            return None
+        assert state.side is not None
+        return KeyCodes(state.side["cis_codes"][:, layer], state.row_stride)
 
     def counts_nonfinite_keys(self) -> bool:
         # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
@@ -471,10 +506,16 @@ class CIS(BaseSelector):
         columns: torch.Tensor | None = None,
     ) -> None:
         assert state.side is not None
+        path = self.kernel_path(key.device, key.dtype)
+        if self.config.key_codes:
+            write_key_codes(
+                state.side["cis_codes"][:, layer], locations, key, columns=columns,
+                finite=finite, nonfinite=state.nonfinite if finite is None else None, path=path,
+            )  # fmt: skip
+            return
         fold_page_bounds(
             state.side, "cis_kmin", "cis_kmax", layer, locations, key, finite, columns=columns,
-            nonfinite=state.nonfinite if finite is None else None,
-            path=self.kernel_path(key.device, key.dtype),
+            nonfinite=state.nonfinite if finite is None else None, path=path,
         )  # fmt: skip
 
     def init_fields(self, state: SelectorState, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
@@ -503,6 +544,9 @@ class CIS(BaseSelector):
             pool.add_field("anchor_kmax", (n_l, h), torch.float32, 0.0)
         else:  # cis_compose writes it; paper mode never reads it
             pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
+        if self.config.key_codes:
+            assert state.side is not None
+            state.side.add_field("cis_codes", (n_l, h, code_bytes(d)), torch.uint8, 0)
         if self.config.page_certified:
             # Per page of the side cache: the keys' box, and the anchor's masses outside /
             # inside its set per query head (log, float32 rounded outward).
@@ -701,6 +745,7 @@ class CIS(BaseSelector):
         c = self.config
         pool, slots = state.pool, plan.slots
         path = self.kernel_path(query.device, kv.dtype)
+        codes = self.key_codes(state, layer)
         anchor = {n: pool[n][:, layer] for n in _ANCHOR_FIELDS}
         sel = plan.selection
         random = c.expansion == "random" and c.r * self.dilation_m() > 0
@@ -744,6 +789,7 @@ class CIS(BaseSelector):
                 n_local=c.n_local,
                 hold_local=c.hold_local,
                 score=c.block_score,
+                codes=codes,
                 path=path,
             )
         m_width = self.anchor_width()
@@ -758,7 +804,7 @@ class CIS(BaseSelector):
                 retrieval_compose(
                     query, kv, plan.scaling, m_width, retrieve, bad,
                     *(anchor[n] for n in _ANCHOR_FIELDS), slots, score=c.block_score,
-                    out_indices=sel.indices, out_counts=sel.counts, **compose_kw,
+                    out_indices=sel.indices, out_counts=sel.counts, codes=codes, **compose_kw,
                 )  # fmt: skip
             else:
                 scores = retrieval_block_scores(
@@ -771,6 +817,7 @@ class CIS(BaseSelector):
                     n_local=c.n_local,
                     score=c.block_score,
                     fill_idle=False,  # ranked below for the retrieving rows only
+                    codes=codes,
                     path=path,
                 )
                 if n_next:  # the retrieving rows' anchors also keep their next-best blocks
@@ -808,14 +855,20 @@ class CIS(BaseSelector):
         if plan.stats is not None:
             hq, d = query.shape[1:]
             reuse_bytes = float(hq // kv.num_kv_heads * d * 4)
-            if n_next:  # the pool's keys and the windows' scored again
-                elem = torch.empty((), dtype=kv.dtype).element_size()
+            if n_next:  # the pool's keys (or their codes) and the windows' scored again
                 wl = 2 * c.n_local if c.hold_local else c.n_local
                 rows = (m_width + n_next) * c.block_size + c.n_sink + wl
-                reuse_bytes += float(rows * d * elem)
+                reuse_bytes += float(rows * self.key_row_bytes(kv))
             proxy = torch.where(retrieve, self.retrieval_bytes(kv), reuse_bytes)
             self.record(plan, layer, kv, sel, retrieve, proxy, None)
         return sel
+
+    def key_row_bytes(self, kv: KVLayout) -> int:
+        """Bytes a retrieval or re-ranking reads per cached key: its code row with
+        ``scorer="int4"``, else the key in the cache dtype."""
+        if self.config.key_codes:
+            return code_bytes(kv.head_dim)
+        return super().key_row_bytes(kv)
 
     def _select_certified(
         self,
