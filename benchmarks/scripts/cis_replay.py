@@ -20,6 +20,7 @@ Usage (repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -66,8 +67,9 @@ def capture(args: argparse.Namespace) -> None:
             queries.setdefault(step.layer, []).append(step.query[0].clone())
             last[step.layer] = step.kv
 
+        prompt_q: dict[int, torch.Tensor] = {}
         t0 = time.perf_counter()
-        with torch.no_grad(), enable(model, "dense") as runtime:
+        with torch.no_grad(), enable(model, "dense") as runtime, _prompt_queries(prompt_q):
             runtime.add_observer(record)
             from transformers import DynamicCache
 
@@ -90,11 +92,37 @@ def capture(args: argparse.Namespace) -> None:
             if getattr(model.config, "head_dim", None)
             else (model.config.hidden_size // model.config.num_attention_heads) ** -0.5,
             "dense_nll": nll / n,
+            # The prompt's last PROMPT_QUERIES queries per layer [L, W, Hq, D]: what a host
+            # shows a selector at prefill (CIS's tau="auto" calibration).
+            "prompt_q": torch.stack([prompt_q[lay] for lay in layers]),
         }
         torch.save(trace, out / f"w{sample.index}.pt")
         print(f"window {sample.index}: {length} positions, dense ppl "
               f"{torch.tensor(nll / n).exp():.3f}, {time.perf_counter() - t0:.1f} s")  # fmt: skip
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+PROMPT_QUERIES = 32
+
+
+@contextlib.contextmanager
+def _prompt_queries(store: dict[int, torch.Tensor]):
+    """Record each layer's last :data:`PROMPT_QUERIES` prefill queries (after RoPE) into
+    ``store`` while the dense runtime prefills: the prefill path's SDPA call is wrapped."""
+    from transformers.integrations import sdpa_attention as integration
+
+    inner = integration.sdpa_attention_forward
+
+    def wrapped(module, query, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if query.shape[2] > 1:
+            store[module.layer_idx] = query[0, :, -PROMPT_QUERIES:].transpose(0, 1).clone()
+        return inner(module, query, *args, **kwargs)
+
+    integration.sdpa_attention_forward = wrapped
+    try:
+        yield
+    finally:
+        integration.sdpa_attention_forward = inner
 
 
 def _traces(path: Path, limit: int | None, first: int = 0):
@@ -127,6 +155,18 @@ def replay_one(trace: dict, name: str, options: dict, spec, per_layer: dict | No
     layer_meters = {lay: SelectionMeter(mi=False) for lay in layers} if per_layer is not None \
         else {}  # fmt: skip
     zero = torch.zeros(1, dtype=torch.int32)
+    n_q = selector.prompt_queries() if hasattr(selector, "prompt_queries") else 0
+    if n_q and "prompt_q" in trace:  # the prompt, as a host shows it at prefill
+        kv_len = torch.tensor([p_len], dtype=torch.int32)
+        for li, lay in enumerate(layers):
+            kv = ContiguousKV(k[li, :, :p_len].unsqueeze(0), v[li, :, :p_len].unsqueeze(0),
+                              kv_len, zero)  # fmt: skip
+            if state.side is not None:
+                loc = token_locations(kv, torch.arange(p_len).view(1, -1), state.row_stride)
+                selector.write_kv(state, lay, loc.flatten(), kv.k[0].transpose(0, 1),
+                                  kv.v[0].transpose(0, 1), checked=False)  # fmt: skip
+            w = trace["prompt_q"][li, -n_q:].unsqueeze(0)
+            selector.observe_prompt(state, lay, [0], w, kv, trace["scaling"], [(0, p_len)])
     for s in range(q.shape[1]):
         n = p_len + s + 1
         lens = torch.tensor([n], dtype=torch.int32)

@@ -588,6 +588,9 @@ def bench(
     budget: int,
     real_rho: float,
     step_shapes: set[tuple[int, int, int]],
+    rhos: list[float | None] | None = None,
+    dense_only: bool = False,
+    quest: bool = True,
 ) -> None:
     import decode_step as ds  # on sys.path: main() put this folder there
 
@@ -597,7 +600,9 @@ def bench(
     hq = 32
     for b, t, hkv in shapes:
         shape = {"B": b, "T": t, "Hq": hq, "Hkv": hkv}
-        rows = kernel_rows(b, t, hq, hkv, budget, gen, flex=(b, t, hkv) in step_shapes)
+        rows = kernel_rows(
+            b, t, hq, hkv, budget, gen, flex=(b, t, hkv) in step_shapes, dense_only=dense_only
+        )
         best_row = min(
             (r for r in rows if "ms" in r and r["op"].startswith("dense")), key=lambda r: r["ms"]
         )
@@ -609,8 +614,10 @@ def bench(
         torch.cuda.empty_cache()
         if (b, t, hkv) not in step_shapes:
             continue
-        for name, rhos in (("quest", [None]), ("cis", [None, 0.05, 0.10, 0.20, real_rho])):
-            for rho in rhos:
+        cis_rhos = [None, 0.05, 0.10, 0.20] if rhos is None else rhos
+        runs = (("quest", [None]),) if quest else ()
+        for name, name_rhos in (*runs, ("cis", [*cis_rhos, real_rho])):
+            for rho in name_rhos:
                 try:
                     r = step_bench(name, b, t, hkv, budget, rho, bw)
                 except Exception as e:
@@ -624,10 +631,10 @@ def bench(
 
 
 def kernel_rows(
-    b: int, t: int, hq: int, hkv: int, budget: int, gen: Any, flex: bool
+    b: int, t: int, hq: int, hkv: int, budget: int, gen: Any, flex: bool, dense_only: bool = False
 ) -> list[dict[str, Any]]:
     """The kernel-level rows of one shape: dense variants, sparse kernel, FlexAttention,
-    retrieval."""
+    retrieval (``dense_only``: the dense variants alone, the baseline of the step rows)."""
     from prhs_kernels.score import retrieval_probs
     from prhs_kernels.sparse_decode import sparse_decode_attention
 
@@ -652,6 +659,8 @@ def kernel_rows(
 
     for name, fn in dense_variants(q, kv).items():
         row(f"dense {name}", fn, dense_bytes)
+    if dense_only:
+        return rows
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, device=DEV)
     sel_bytes = b * hkv * budget * kv_row
@@ -905,6 +914,26 @@ def main(argv: list[str] | None = None) -> int:
         "29-31 %%, benchmarks/results/2026-11-30-tau-auto)",
     )
     p.add_argument(
+        "--rhos",
+        default=None,
+        help="bench: the forced retrieval ratios of CIS's step rows besides --real-rho, comma "
+        "separated ('drift': queries drift slowly, none forced; '' for none; default "
+        "drift,0.05,0.1,0.2)",
+    )
+    p.add_argument(
+        "--dense-only",
+        action="store_true",
+        help="bench: of the kernel rows, the dense ones only (the step rows' baseline)",
+    )
+    p.add_argument("--no-quest", action="store_true", help="bench: no step rows of Quest")
+    p.add_argument(
+        "--check-selectors",
+        default=None,
+        help="check: only these selectors' Triton-vs-torch step checks (comma separated names "
+        "of the check list: cis, cis-exact, cis-1, quest, double_sparsity, rabitq, compkv, "
+        "louver), then the kernel checks",
+    )
+    p.add_argument(
         "--cis",
         action="append",
         default=[],
@@ -927,15 +956,28 @@ def main(argv: list[str] | None = None) -> int:
     out = open(a.out, "a") if a.out else None
     emit(out, {"part": "machine", **machine()})
     if a.part == "check":
-        check_topk(out)
-        check_selector_paths(out, "cis", {"budget": 256})
-        check_selector_paths(out, "cis", {"budget": 256, "block_size": 1})
-        check_selector_paths(out, "quest", {"budget": 256, "dense_layers": 0})
-        check_selector_paths(out, "double_sparsity", {"budget": 256, "channels": ds.label_table(2)})
-        check_selector_paths(out, "rabitq", {"budget": 256, "dense_layers": 0})
-        check_selector_paths(out, "compkv", {"budget": 256})
-        check_selector_paths(out, "louver", {"budget": 1024})
-        check_louver_index(out)
+        checks = {
+            "cis": ("cis", {"budget": 256, "block_size": 8}),
+            "cis-1": ("cis", {"budget": 256, "block_size": 1}),
+            "cis-exact": ("cis", {"budget": 256, "block_size": 1, "scorer": "exact"}),
+            "quest": ("quest", {"budget": 256, "dense_layers": 0}),
+            "double_sparsity": (
+                "double_sparsity", {"budget": 256, "channels": ds.label_table(2)}
+            ),
+            "rabitq": ("rabitq", {"budget": 256, "dense_layers": 0}),
+            "compkv": ("compkv", {"budget": 256}),
+            "louver": ("louver", {"budget": 1024}),
+        }
+        only = a.check_selectors.split(",") if a.check_selectors else list(checks)
+        unknown = sorted(set(only) - set(checks))
+        if unknown:
+            p.error(f"--check-selectors: unknown {unknown}; known: {sorted(checks)}")
+        if a.check_selectors is None:
+            check_topk(out)
+        for key in only:
+            check_selector_paths(out, *checks[key])
+        if a.check_selectors is None or "louver" in only:
+            check_louver_index(out)
         check(out)
     elif a.part == "check-proxies":
         for name in ("double_sparsity", "hshare"):
@@ -961,7 +1003,10 @@ def main(argv: list[str] | None = None) -> int:
         for item in a.step_shapes.split(","):
             b, t, h = item.split("x")
             step_shapes.add((int(b), int(t) * 1024, int(h)))
-        bench(out, shapes, a.budget, a.real_rho, step_shapes)
+        rhos = None
+        if a.rhos is not None:
+            rhos = [None if x == "drift" else float(x) for x in a.rhos.split(",") if x]
+        bench(out, shapes, a.budget, a.real_rho, step_shapes, rhos, a.dense_only, not a.no_quest)
     return 0
 
 
