@@ -35,7 +35,7 @@ import triton.language as tl
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.keycodes import KeyCodes
-from prhs_kernels.keycodes.triton import code_scores
+from prhs_kernels.keycodes.triton import code_scores, row_alignment
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
@@ -1534,7 +1534,7 @@ def _rescore_logits_kernel(
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
     PAGED: tl.constexpr, HAS_START: tl.constexpr, HOLD: tl.constexpr, UPCAST: tl.constexpr,
-    CODES: tl.constexpr, BLOCK_DH: tl.constexpr, PDL: tl.constexpr,
+    CODES: tl.constexpr, BLOCK_DH: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split): the logits of the split's pool entries (split 0: and of the sink's
     # and the local window's keys) into the row's scratch, and each head's running max and sum
@@ -1592,7 +1592,8 @@ def _rescore_logits_kernel(
             else:
                 k_row = b.to(tl.int64) * stride_kb + h * stride_kh + (pos_w + pad) * stride_kt
             if CODES:
-                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok_w, offs_c, c_ok, D // 2, UPCAST)
+                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok_w, offs_c, c_ok, D // 2, ALIGN,
+                                 UPCAST)  # fmt: skip
             else:
                 k = tl.load(
                     K + k_row[:, None] + offs_d[None, :], mask=ok_w[:, None] & d_ok[None, :],
@@ -1627,7 +1628,8 @@ def _rescore_logits_kernel(
             else:
                 kr = b.to(tl.int64) * stride_kb + h * stride_kh + (pos + pad) * stride_kt
             if CODES:
-                qkp = code_scores(q_lo, q_hi, q_sum, K, kr, ok, offs_c, c_ok, D // 2, UPCAST)
+                qkp = code_scores(q_lo, q_hi, q_sum, K, kr, ok, offs_c, c_ok, D // 2, ALIGN,
+                                  UPCAST)  # fmt: skip
             else:
                 kp = tl.load(
                     K + kr[:, None] + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
@@ -1858,6 +1860,7 @@ def rescore_scores_triton(
         HKV=h, G=g, BLOCK_G=block_g, D=d, BLOCK_D=_pow2(d, 16), BS=s, BLOCK_E=block_e,
         BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
         UPCAST=interpreting(), CODES=codes is not None, BLOCK_DH=_pow2(d // 2, 16),
+        ALIGN=row_alignment(codes.rows) if codes is not None else 1,
         **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     scores[(b * h, n_split)](

@@ -14,6 +14,7 @@ scoring kernels inline.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -22,17 +23,26 @@ import triton.language as tl
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["code_scores", "write_key_codes_triton"]
+__all__ = ["code_scores", "row_alignment", "write_key_codes_triton"]
+
+
+def row_alignment(rows: torch.Tensor) -> int:
+    """The largest power of two, at most 16, that every code row's byte offset in ``rows [R,
+    Hkv, D/2 + 8]`` (uint8, a strided view) is a multiple of: the scorers' load width."""
+    align = math.gcd(rows.stride(0), rows.stride(1), rows.data_ptr() % 16 or 16, 16)
+    return 1 << (align.bit_length() - 1)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def code_scores(q_lo, q_hi, q_sum, CODES, row, ok, offs_c, c_ok, DH: tl.constexpr,
-                UPCAST: tl.constexpr):  # fmt: skip
+                ALIGN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """``[G, N]`` float32 ``q · k̂`` of the ``N`` keys whose code rows start at byte offsets
     ``row [N]`` of ``CODES`` (``ok [N]``: rows to read; the others score 0). ``q_lo`` /
     ``q_hi`` ``[G, BLOCK_DH]``: the query's channels ``[0, DH)`` and ``[DH, 2·DH)``;
     ``q_sum [G]`` float32: the sum of its channels; ``offs_c`` / ``c_ok``: the ``BLOCK_DH``
-    byte lanes and which are below ``DH``."""
+    byte lanes and which are below ``DH``; ``ALIGN``: a power of two every row offset is a
+    multiple of (:func:`row_alignment`), so that the rows are read ``ALIGN`` bytes a load."""
+    row = tl.multiple_of(row, ALIGN)
     byte = tl.load(CODES + row[:, None] + offs_c[None, :], mask=ok[:, None] & c_ok[None, :],
                    other=0)  # fmt: skip
     lo = byte & 15
@@ -98,10 +108,11 @@ def _write_kernel(
     big = float("inf")
     lo = tl.minimum(tl.min(tl.where(m2, x_lo, big), 1), tl.min(tl.where(m2, x_hi, big), 1))
     hi = tl.maximum(tl.max(tl.where(m2, x_lo, -big), 1), tl.max(tl.where(m2, x_hi, -big), 1))
-    step = (hi - lo) / 15.0
-    safe = tl.where(step > 0, step, 1.0)
-    c_lo = tl.floor((x_lo - lo[:, None]) / safe[:, None] + 0.5)  # the reference's rounding
-    c_hi = tl.floor((x_hi - lo[:, None]) / safe[:, None] + 0.5)
+    # Divisions rounded as IEEE (and torch) round them, so the codes equal the reference's.
+    step = tl.math.div_rn(hi - lo, tl.full(hi.shape, 15.0, tl.float32))
+    safe = tl.broadcast_to(tl.where(step > 0, step, 1.0)[:, None], x_lo.shape)
+    c_lo = tl.floor(tl.math.div_rn(x_lo - lo[:, None], safe) + 0.5)
+    c_hi = tl.floor(tl.math.div_rn(x_hi - lo[:, None], safe) + 0.5)
     c_lo = tl.minimum(tl.maximum(c_lo, 0.0), 15.0).to(tl.int32)
     c_hi = tl.minimum(tl.maximum(c_hi, 0.0), 15.0).to(tl.int32)
     c_lo = tl.where(step[:, None] > 0, c_lo, 0)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.keycodes import KeyCodes
-from prhs_kernels.keycodes.triton import code_scores
+from prhs_kernels.keycodes.triton import code_scores, row_alignment
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
@@ -94,6 +94,7 @@ def _logits_kernel(
     LSE_BS: tl.constexpr,
     CODES: tl.constexpr,
     BLOCK_DH: tl.constexpr,
+    ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
@@ -166,7 +167,8 @@ def _logits_kernel(
                     t = pos64 + start
                 k_row = b.to(tl.int64) * stride_kb + h * stride_kh + t * stride_kt
             if CODES:
-                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok, offs_c, c_ok, D // 2, UPCAST)
+                qk = code_scores(q_lo, q_hi, q_sum, K, k_row, ok, offs_c, c_ok, D // 2, ALIGN,
+                                 UPCAST)  # fmt: skip
             else:
                 k_mask = ok[:, None] & d_ok[None, :]
                 if K_LABELS:
@@ -377,6 +379,7 @@ def _logits_pass(
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
         LSE_BS=lse_bs, CODES=codes is not None, BLOCK_DH=max(16, triton.next_power_of_2(d // 2)),
+        ALIGN=row_alignment(codes.rows) if codes is not None else 1,
         **pdl_args(dev, "score"), num_warps=TUNING["num_warps"],
         num_stages=TUNING["num_stages"],
     )  # fmt: skip
