@@ -288,3 +288,62 @@ def test_meta_shapes():
         idx, counts = top_p_indices(x, 0.1, 16, eligible, kept)
         assert (idx.shape, idx.dtype, idx.device.type) == ((2, 3, 16), torch.int32, "meta")
         assert (counts.shape, counts.dtype) == ((2, 3), torch.int32)
+
+
+@pytest.mark.parametrize("seed_kind", ["good", "partial", "poor", "none"])
+def test_seeded_candidates_hold_the_top_k_unless_flagged(seed_kind):
+    """Guess (the seed's k-th best score) and verify (every score reaching it, in position
+    order): a row that is not flagged holds its exact top k among its candidates; a row is
+    flagged exactly when the seed gives no threshold or the candidates overflow."""
+    from prhs_kernels.topk import seeded_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    rows, n, k, cap = 6, 500, 20, 48
+    x = torch.randn(rows, n, generator=gen)
+    x[0, ::9] = x[0, 4]  # ties
+    x[1, :30] = float("nan")
+    best = torch.topk(x.nan_to_num(nan=float("-inf")), 2 * k, dim=-1).indices
+    seed = {
+        "good": best,
+        "partial": torch.cat([best[:, : k // 2], best[:, k + k // 2 :], best[:, k : k + 5]], -1),
+        "poor": torch.stack([torch.randperm(n, generator=gen)[: 2 * k] for _ in range(rows)]),
+        "none": torch.full((rows, 2 * k), -1),
+    }[seed_kind].to(torch.int32)
+    vals, ids, over = seeded_candidates(x, k, seed, capacity=cap)
+    assert vals.shape == (rows, cap) and ids.dtype == torch.int32
+    xs = x.nan_to_num(nan=float("-inf"))
+    sv = torch.gather(xs, -1, seed.long().clamp(min=0)).masked_fill(seed < 0, float("-inf"))
+    for r in range(rows):
+        if (sv[r] > float("-inf")).sum() < k:
+            assert bool(over[r])
+            continue
+        thr = torch.topk(sv[r], k).values[-1]
+        reach = torch.nonzero(xs[r] >= thr).flatten()
+        assert bool(over[r]) == (len(reach) > cap)
+        if over[r]:
+            continue
+        got = ids[r][ids[r] >= 0]
+        assert torch.equal(got, reach.to(torch.int32))  # every candidate, in position order
+        assert torch.equal(vals[r][: len(got)], xs[r][reach])
+        top = set(torch.topk(xs[r], k).indices.tolist())
+        chosen = got[torch.topk(vals[r][: len(got)], k).indices]
+        same = set(chosen.tolist()) == top or torch.equal(
+            torch.sort(xs[r][chosen.long()]).values, torch.sort(xs[r][list(top)]).values
+        )
+        assert same  # the top k, or a tie of it
+    if seed_kind == "poor":
+        assert bool(over.all())
+    if seed_kind == "good":
+        assert not bool(over.any())
+
+
+def test_seeded_candidates_refuse_bad_input():
+    from prhs_kernels.topk import seeded_candidates
+
+    x = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="capacity"):
+        seeded_candidates(x, 4, torch.zeros(2, 4, dtype=torch.int32), capacity=3)
+    with pytest.raises(ValueError, match="seed"):
+        seeded_candidates(x, 4, torch.zeros(3, 4, dtype=torch.int32), capacity=8)
+    with pytest.raises(TypeError):
+        seeded_candidates(x, 4, torch.zeros(2, 4), capacity=8)

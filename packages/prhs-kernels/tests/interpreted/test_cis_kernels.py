@@ -759,3 +759,45 @@ def test_retrieval_pool_matches_the_torch_path(monkeypatch, n, m, r):
     assert torch.equal(got[2], want[2])
     assert bool((got[2][1] == 7).all())  # a slot no row uses
     assert bool((got[2][0, 0] == 7).all()) and bool((got[2][3, 1] == 7).all())  # not retrieving
+
+
+@pytest.mark.parametrize(("n", "m", "r", "cap_fits"), [(300, 5, 9, True), (300, 20, 40, False)])
+def test_retrieval_pool_seeded_by_the_anchor_pool_matches_the_unseeded(monkeypatch, n, m, r,
+                                                                       cap_fits):  # fmt: skip
+    """A seed (guess, verify, refine) changes nothing but the work: with a good seed (the true
+    top m + r, shuffled, with -1 gaps), a poor one (random ids: many candidates), no seed
+    (-1 only) and ties, the list, its values and the next blocks equal the unseeded ranking;
+    rows flagged by the first pass take the whole-row ranking."""
+    from prhs_kernels.cis import retrieval_pool
+
+    monkeypatch.setattr(cis_triton, "TOPK_ONE_PASS", 64)
+    monkeypatch.setattr(cis_triton, "TOPK_CHUNK", 64)
+    monkeypatch.setattr(cis_triton, "TOPK_MAX_N", 128 if cap_fits else 64)
+    monkeypatch.setitem(cis_triton.TUNING, "rescore_write_block", 16)
+    assert (cis_triton.seeded_capacity(n, m + r) > 0) is cap_fits
+    gen = torch.Generator().manual_seed(n + m)
+    b, h = 3, 2
+    scores = torch.randn(b, h, n, generator=gen)
+    scores[0, 1, ::7] = scores[0, 1, 3]  # ties
+    scores[2, 0, :50] = float("-inf")
+    retrieve = torch.tensor([[True, True], [True, False], [True, True]])
+    slots = torch.tensor([2, 0, 3])
+    best = torch.topk(scores, m + r, dim=-1).indices.to(torch.int32)
+    seed = best[..., torch.randperm(m + r, generator=gen)]
+    seed[0, 0, ::4] = -1  # a seed with gaps: fewer than m + r ids, no threshold
+    seed[1, 0] = torch.randperm(n, generator=gen)[: m + r].to(torch.int32)  # a poor seed
+    seed[2, 1] = -1  # no seed at all
+    out = {}
+    for s in (None, seed):
+        nxt = torch.full((4, h, r), 7, dtype=torch.int32)
+        idx, val = retrieval_pool(scores, m, r, retrieve, nxt, slots, seed=s, path=PATH)
+        out[s is None] = (idx, val, nxt)
+    for a, b_ in zip(out[True], out[False], strict=True):
+        assert torch.equal(a, b_)
+    if cap_fits:  # the good seeds verified; the gapped, poor and empty ones were flagged
+        from prhs_kernels.topk import seeded_candidates
+
+        cap = cis_triton.seeded_capacity(n, m + r)
+        *_, over = seeded_candidates(scores, m + r, seed, capacity=cap, active=retrieve,
+                                     path=PATH)  # fmt: skip
+        assert over.tolist() == [[True, False], [True, False], [False, True]]

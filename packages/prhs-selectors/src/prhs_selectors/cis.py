@@ -821,9 +821,14 @@ class CIS(BaseSelector):
                     path=path,
                 )
                 if n_next:  # the retrieving rows' anchors also keep their next-best blocks
+                    # On a GPU the row's current pool seeds the ranking (guess, verify, refine).
+                    seed = None
+                    if path.startswith("triton"):
+                        seed = torch.cat([anchor["anchor_idx"][slots], anchor_next[slots]], -1)
                     new_idx, new_scores = retrieval_pool(
-                        scores, m_width, n_next, retrieve, anchor_next, slots, path=path
-                    )
+                        scores, m_width, n_next, retrieve, anchor_next, slots, seed=seed,
+                        path=path,
+                    )  # fmt: skip
                 else:
                     new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
         if random:  # compose without dilation, then add the random blocks

@@ -32,7 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from prhs_core.checks import check_bool_mask, check_counter, check_flag, check_int, check_shape
+from prhs_core.checks import (
+    check_bool_mask,
+    check_counter,
+    check_flag,
+    check_index_tensor,
+    check_int,
+    check_shape,
+)
 from prhs_core.layout import KVLayout
 from prhs_kernels.cis.reference import (
     anchor_union_reference,
@@ -271,6 +278,7 @@ def retrieval_pool(
     anchor_next: torch.Tensor,
     slots: torch.Tensor,
     *,
+    seed: torch.Tensor | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval that also keeps its next ``r`` blocks for the reuses to re-rank (CIS's
@@ -281,7 +289,11 @@ def retrieval_pool(
     score) in block order, then ``-1``. Rows that do not retrieve keep their ``anchor_next``.
     Ties: toward the lower block, on every path (on CUDA's torch path, as ``torch.topk``
     breaks them). On a Triton path the top ``m + r`` are found unsorted, and only the top ``m``
-    of those sorted."""
+    of those sorted. ``seed [B, Hkv, S]`` (block ids, distinct per row, ``-1`` for none; a set
+    that held the top ``m + r`` of a nearby query, such as the row's current anchor pool):
+    on a Triton path over long rows, the top ``m + r`` are found among the scores that reach
+    the seed's ``(m + r)``-th best and the whole row is ranked only for the rows where that
+    fails (guess, verify, refine); the result is the same, ties included."""
     check_int("m", m, minimum=1)
     check_int("r", r, minimum=1)
     if scores.ndim != 3:
@@ -294,13 +306,16 @@ def retrieval_pool(
             f"{anchor_next.dtype}"
         )
     check_shape("slots", slots, (b,), "[B]")
+    if seed is not None:
+        check_index_tensor("seed", seed, ndim=3)
+        check_shape("seed", seed, (b, h, None), "[B, Hkv, S]")
     k_all = min(m + r, n)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import retrieval_pool_triton, top_blocks_fits
 
         if top_blocks_fits(n, k_all) and top_blocks_fits(k_all, min(m, k_all)):
             announce("retrieval_pool", path, scores.device)
-            return retrieval_pool_triton(scores, m, r, retrieve, anchor_next, slots)
+            return retrieval_pool_triton(scores, m, r, retrieve, anchor_next, slots, seed)
     idx, val = top_blocks(scores, k_all, retrieve, path=path)
     after = torch.where(val[..., m:] > float("-inf"), idx[..., m:], -1)
     big = torch.iinfo(torch.int32).max  # -1 after every block, then block order

@@ -45,6 +45,7 @@ from prhs_kernels.topk.triton import (
     prefix_count,
     search_constants,
     search_warps,
+    seeded_candidates_triton,
     take_top,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "retrieval_block_scores_triton",
     "retrieval_compose_triton",
     "retrieval_pool_triton",
+    "seeded_capacity",
     "top_blocks_compose_triton",
     "top_blocks_fits",
     "top_blocks_triton",
@@ -758,6 +760,7 @@ def _topk_program(
     RADIX_BITS: tl.constexpr,
     RADIX: tl.constexpr,
     SEG: tl.constexpr,
+    FILL: tl.constexpr = True,
 ):
     """Top ``k`` of one chunk of ``chunk`` scores of a row of ``n`` (NaN as ``-inf``; ties:
     lower index first), for an active row; an inactive row gets ``-1`` / ``-inf``. Program
@@ -770,6 +773,8 @@ def _topk_program(
     order-preserving integer image of the floats, ``RADIX_BITS`` bits a round, then the ``k``
     entries are compacted, and sorted, largest first, if ``SORT`` (else they stay in position
     order: a first pass's winners need no order, and sorting them cost more than the search).
+    ``FILL`` off (a pass whose output only the next pass reads, for the active rows alone):
+    an inactive row writes nothing.
     Program ``(row, c)``'s work: the top-k kernel's, and the fused top-k's before its
     composition."""
     lo_pos = c * chunk
@@ -803,7 +808,7 @@ def _topk_program(
             idx = tl.where(got, lo_pos + at, -1)
         tl.store(out_idx, idx, mask=offs_k < k)
         tl.store(out_val, val, mask=offs_k < k)
-    else:
+    elif FILL:
         tl.store(out_idx, tl.full([BLOCK_K], -1, tl.int32), mask=offs_k < k)
         tl.store(out_val, tl.full([BLOCK_K], float("-inf"), tl.float32), mask=offs_k < k)
 
@@ -842,6 +847,7 @@ def _topk_kernel(
     S_BLOCK_S: tl.constexpr,
     S_BS: tl.constexpr,
     FROM_LSE: tl.constexpr,
+    FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # FROM_LSE (a first pass): each program first scores its chunk (_score_chunk) from the
@@ -876,6 +882,7 @@ def _topk_kernel(
         RADIX_BITS,
         RADIX,
         SEG,
+        FILL,
     )
 
 
@@ -1122,6 +1129,7 @@ def top_blocks_triton(
     sort: bool = True,
     compose: dict | None = None,
     lse: dict | None = None,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
     (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
@@ -1130,7 +1138,9 @@ def top_blocks_triton(
     arguments by name, ``ANY`` and ``HAS_ANY``; ``sort`` on): the last pass also composes each
     active row (``cis_compose``'s ``retrieving_only``) in the program that ranked it. ``lse``
     (:func:`_score_chunk`'s arguments by the ``_topk_kernel``'s names): ``scores`` is only
-    written, each first-pass program scoring its active row's chunk there before ranking it."""
+    written, each first-pass program scoring its active row's chunk there before ranking it.
+    ``ids [..., N]`` (int32): ``scores`` are candidates whose ids these are, in increasing id
+    order (a seeded top-k's candidates); the indices returned are theirs."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -1151,8 +1161,14 @@ def top_blocks_triton(
     if n and values.stride(-1) != 1:
         values = values.contiguous()
     stride = values.stride(0) if n else 0
-    ids = values  # unread until a pass ranks candidates
-    has_ids = False
+    has_ids = ids is not None
+    if ids is None:
+        ids = values  # unread until a pass ranks candidates
+    else:
+        ids = ids.reshape(rows, n)
+        if values.stride(0) != n or ids.stride(0) != n:  # the passes read both at one stride
+            values, ids = values.contiguous(), ids.contiguous()
+            stride = n
     for length, chunk, chunks in plan:
         last = chunks == 1
         out_idx = idx if last else torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)
@@ -1160,7 +1176,8 @@ def top_blocks_triton(
         scratch = torch.empty(rows * chunks, block_k, dtype=torch.int64, device=dev)
         block = _pow2(chunk, 16)
         score = _unread_lse(values) if lse is None or has_ids else {**lse, "FROM_LSE": True}
-        kernel, extra = topk, score
+        # Only the last pass's output is read for every row: earlier ones skip the idle rows.
+        kernel, extra = topk, {**score, "FILL": last}
         if last and compose is not None:
             # The composition's own arguments name the row's sequence lengths, windows and
             # group (LENS, n_sink, n_local, HKV, G, BS): the scoring takes those.
@@ -1958,6 +1975,16 @@ def _pool_rest_jit(interpret: bool) -> object:
     return triton.jit(_pool_rest_kernel)
 
 
+def seeded_capacity(n: int, k: int) -> int:
+    """The candidate buffer of a seeded top-``k`` over rows of ``n`` scores: twice ``k``
+    rounded up to a power of two, held by one top-k pass; 0 (no seeding) where the row itself
+    is ranked in one pass, or the buffer would not fit one."""
+    cap = _pow2(2 * k, 16)
+    if n <= TOPK_ONE_PASS or cap > TOPK_MAX_N or cap >= n:
+        return 0
+    return cap
+
+
 def retrieval_pool_triton(
     scores: torch.Tensor,
     m: int,
@@ -1965,6 +1992,7 @@ def retrieval_pool_triton(
     retrieve: torch.Tensor,
     anchor_next: torch.Tensor,
     slots: torch.Tensor,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval that keeps its next ``r`` blocks (``rescore``): ``(list [B, Hkv, m'] int32,
     values)``, the top ``m' = min(m, N)`` blocks of each retrieving row of ``scores [B, Hkv,
@@ -1973,10 +2001,26 @@ def retrieval_pool_triton(
     top ``m + r`` unsorted, then the top ``m'`` of those sorted, then one launch for the rest:
     cheaper than sorting ``m + r`` winners (rows of 16 384 at ``m`` 1024, ``r`` 2048 on an
     H200: 146 µs sorted, 54 + 25 + the rest's launch). The caller checks
-    :func:`top_blocks_fits` for both rankings."""
+    :func:`top_blocks_fits` for both rankings. ``seed [B, Hkv, S]`` (block ids, e.g. each row's
+    current anchor pool): the top ``m + r`` are found among the scores reaching the seed's
+    ``(m + r)``-th best (:func:`prhs_kernels.topk.seeded_candidates`) where the row is long
+    enough for it to pay (:func:`seeded_capacity`), the whole row only where that fails."""
     b, h, n = scores.shape
     k_all = min(m + r, n)
-    cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
+    cap = seeded_capacity(n, k_all)
+    if seed is not None and cap:
+        # Guess-verify-refine: the candidates reaching the seed's k_all-th score, ranked in
+        # one pass; the rows whose seed gave no threshold or whose candidates overflow are
+        # ranked whole (a launch sequence whose programs find no work where no row is flagged).
+        c_val, c_id, over = seeded_candidates_triton(scores, k_all, seed, cap, retrieve)
+        c_val, c_id = c_val.view(b, h, cap), c_id.view(b, h, cap)
+        over = over.view(b, h)
+        cand, cval = top_blocks_triton(c_val, k_all, retrieve & ~over, sort=False, ids=c_id)
+        full, full_val = top_blocks_triton(scores, k_all, over, sort=False)
+        cand = torch.where(over.unsqueeze(-1), full, cand)
+        cval = torch.where(over.unsqueeze(-1), full_val, cval)
+    else:
+        cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
     mm = min(m, k_all)
     pick, pval = top_blocks_triton(cval, mm, retrieve)
     out = torch.empty(b, h, mm, dtype=torch.int32, device=scores.device)

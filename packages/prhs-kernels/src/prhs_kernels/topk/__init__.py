@@ -1,4 +1,5 @@
-"""Top-k and top-p selection into fixed-width index lists (``[..., k]`` int32 plus counts).
+"""Top-k and top-p selection into fixed-width index lists (``[..., k]`` int32 plus counts), and
+the first pass of a seeded top-k (:func:`seeded_candidates`).
 
 Tie rule: any order among equal scores is valid (see :mod:`prhs_kernels.topk.reference`).
 
@@ -15,11 +16,25 @@ from types import ModuleType
 
 import torch
 
-from prhs_core.checks import check_bool_mask, check_float_tensor, check_int, check_probability
+from prhs_core.checks import (
+    check_bool_mask,
+    check_device,
+    check_float_tensor,
+    check_index_tensor,
+    check_int,
+    check_probability,
+    shape_str,
+)
 from prhs_kernels.paths import announce, numba_path
-from prhs_kernels.topk.reference import top_p_indices_reference, topk_indices_reference
+from prhs_kernels.topk.reference import (
+    seeded_candidates_reference,
+    top_p_indices_reference,
+    topk_indices_reference,
+)
 
 __all__ = [
+    "seeded_candidates",
+    "seeded_candidates_reference",
     "top_p_indices",
     "top_p_indices_reference",
     "topk_indices",
@@ -71,3 +86,48 @@ def top_p_indices(
         announce("top_p_indices", "numba", mass.device)
         return _numba().top_p_indices_numba(mass, target, cap, eligible, kept)
     return top_p_indices_reference(mass, target, cap, eligible, kept)
+
+
+def seeded_candidates(
+    scores: torch.Tensor,
+    k: int,
+    seed: torch.Tensor,
+    *,
+    capacity: int,
+    active: torch.Tensor | None = None,
+    path: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The guess-and-verify pass of a top-``k`` seeded by a nearby set (TensorRT-LLM's
+    Guess-Verify-Refine): ``(values [..., C], ids [..., C] int32, overflow [...] bool)``, ``C =
+    capacity`` (see :func:`.reference.seeded_candidates_reference`).
+
+    ``scores [..., N]`` float32; ``seed [..., S]`` integer ids into the last dim (``-1``: none;
+    distinct within a row), e.g. the ids an anchor's top-``k`` pool held; ``active [...]``:
+    the rows to rank (``None``: all). A row's candidates, the scores reaching its seed's
+    ``k``-th best, hold its exact top ``k`` wherever ``overflow`` is false: rank them (ties
+    toward the lower position, which the candidates' order keeps) and redo only the flagged
+    rows over the whole row. On a Triton ``path``: one launch, a program per row, which reads
+    the row once."""
+    check_float_tensor("scores", scores, min_ndim=1)
+    check_int("k", k, minimum=1)
+    check_int("capacity", capacity, minimum=k)
+    check_index_tensor("seed", seed, ndim=scores.ndim)
+    if tuple(seed.shape[:-1]) != tuple(scores.shape[:-1]) or seed.shape[-1] < 1:
+        raise ValueError(
+            f"seed [..., S] must have scores' leading dims {list(scores.shape[:-1])} and S >= 1, "
+            f"got {shape_str(seed)}"
+        )
+    if active is not None:
+        check_bool_mask("active", active, tuple(scores.shape[:-1]))
+        check_device(("scores", "active"), (scores, active))
+    check_device(("scores", "seed"), (scores, seed))
+    if path.startswith("triton") and scores.dtype == torch.float32:
+        from prhs_kernels.topk.triton import seeded_candidates_triton
+
+        announce("seeded_candidates", path, scores.device)
+        on = active if active is not None else torch.ones_like(scores[..., 0], dtype=torch.bool)
+        cval, cidx, over = seeded_candidates_triton(scores, k, seed, capacity, on)
+        lead = scores.shape[:-1]
+        return cval.view(*lead, capacity), cidx.view(*lead, capacity), over.view(lead)
+    announce("seeded_candidates", "torch", scores.device)
+    return seeded_candidates_reference(scores, k, seed, capacity, active)

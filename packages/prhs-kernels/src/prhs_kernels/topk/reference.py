@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["top_p_indices_reference", "topk_indices_reference"]
+__all__ = ["seeded_candidates_reference", "top_p_indices_reference", "topk_indices_reference"]
 
 
 def _clean(scores: torch.Tensor, eligible: torch.Tensor | None) -> torch.Tensor:
@@ -88,3 +88,50 @@ def top_p_indices_reference(
     if kk < cap:
         idx = torch.nn.functional.pad(idx, (0, cap - kk), value=-1)
     return idx, counts.to(torch.int32)
+
+
+def seeded_candidates_reference(
+    scores: torch.Tensor,
+    k: int,
+    seed: torch.Tensor,
+    capacity: int,
+    active: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values [..., C] float32, ids [..., C] int32, overflow [...] bool)``, ``C =
+    capacity``: the guess-and-verify pass of a seeded top-k.
+
+    Per row of ``scores [..., N]`` (NaN as ``-inf``): the threshold ``θ`` is the ``k``-th
+    largest score at the row's ``seed [..., S]`` ids (ids outside ``[0, N)`` ignored); every
+    score ``>= θ`` is a candidate, in position order, the first ``C`` of them written with
+    their positions (``-inf`` / ``-1`` after). Since the seed's ``k`` best are in the row,
+    ``θ`` is at most the row's own ``k``-th best, so the candidates hold the row's top ``k``
+    unless they overflow. ``overflow`` flags the rows where they do (more than ``C``
+    candidates), where the seed has fewer than ``k`` finite scores (no threshold), or where
+    fewer than ``k`` scores reach it (a seed id listed twice): their top ``k`` needs the whole
+    row. Rows not ``active`` get no candidate and no flag."""
+    n = scores.shape[-1]
+    lead = scores.shape[:-1]
+    x = scores.float().nan_to_num(nan=float("-inf"))
+    sid = seed.long()
+    s_in = (sid >= 0) & (sid < n)
+    sv = torch.gather(x, -1, sid.clamp(0, max(n - 1, 0))).masked_fill(~s_in, float("-inf"))
+    finite = (sv > float("-inf")).sum(-1)
+    on = torch.ones(lead, dtype=torch.bool, device=x.device) if active is None else active
+    good = on & (finite >= k) & (k >= 1)
+    kk = min(max(k, 1), sv.shape[-1]) if sv.shape[-1] else 0
+    if kk:
+        thr = torch.topk(sv, kk, dim=-1).values[..., -1]
+    else:
+        thr = torch.full(lead, float("inf"), device=x.device)
+    take = good.unsqueeze(-1) & (x >= thr.unsqueeze(-1))
+    count = take.sum(-1)
+    rank = torch.cumsum(take.to(torch.int64), -1) - 1  # each candidate's place, in order
+    keep = take & (rank < capacity)
+    values = torch.full((*lead, capacity + 1), float("-inf"), device=x.device)
+    ids = torch.full((*lead, capacity + 1), -1, dtype=torch.int32, device=x.device)
+    at = torch.where(keep, rank, capacity)  # the extra column takes what is not kept
+    pos = torch.arange(n, device=x.device, dtype=torch.int32).expand_as(x)
+    values.scatter_(-1, at, torch.where(keep, x, float("-inf")))
+    ids.scatter_(-1, at, torch.where(keep, pos, -1))
+    overflow = on & (~good | (count > capacity) | (count < k))
+    return values[..., :capacity], ids[..., :capacity], overflow

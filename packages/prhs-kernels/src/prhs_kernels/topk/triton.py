@@ -14,22 +14,44 @@ without sorting it:
 
 The CIS top-k (:mod:`prhs_kernels.cis.triton`) and Quest's page selection
 (:mod:`prhs_kernels.quest.triton`) are built on them. They are ``triton.jit`` functions inlined
-into the kernels that call them; nothing here launches.
+into the kernels that call them.
+
+One kernel launches from here, the guess-and-verify first pass of a seeded top-k
+(:func:`seeded_candidates_triton`, TensorRT-LLM's Guess-Verify-Refine): a program per row
+finds the ``k``-th best score of the row's seed ids (a set that held the top ``k`` of a nearby
+query: an anchor's pool), a threshold no higher than the row's own ``k``-th best, then walks
+the row once and writes every score at or above it, with its position, in position order
+into a buffer of fixed capacity. Where the seed was good, that buffer holds the row's top
+``k`` among a few more, and one top-k pass over the buffer finishes the job; a row whose
+seed could not give a threshold, or whose candidates overflow the buffer, is flagged for the
+full top-k.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
+from prhs_kernels.paths import interpreting
+from prhs_kernels.pdl import pdl_args, pdl_wait
+
 __all__ = [
+    "SEEDED_TUNING",
     "kth_largest_key",
     "order_key",
     "prefix_count",
     "search_constants",
     "search_warps",
+    "seeded_candidates_triton",
     "take_top",
 ]
+
+SEEDED_TUNING = {"tile": 2048, "radix_bits": 2, "scan_segment": 128}
+"""The seeded first pass: positions per tile of the walk over a row, and the search's bits a
+round and prefix-count segment (:func:`search_constants`)."""
 
 
 def search_constants(tuning: dict, bits_key: str, segment_key: str, block: int) -> dict:
@@ -145,3 +167,107 @@ def take_top(
     take = greater | (tie & (prefix_count(tie, BLOCK, SEG) <= need))
     pos = prefix_count(take, BLOCK, SEG) - 1
     return take, pos
+
+
+def _seeded_kernel(
+    SCORES,
+    SEED,
+    ACTIVE,
+    CVAL,
+    CIDX,
+    OVER,
+    n,
+    stride_row,
+    n_seed,
+    stride_seed,
+    k,
+    cap,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr,
+    SEG: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program per row: guess (the seed's k-th best score), verify (walk the row once,
+    # writing what reaches it in position order), and flag the rows a full top-k must redo.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    row = tl.program_id(0)
+    base = SCORES + row.to(tl.int64) * stride_row
+    cv = CVAL + row.to(tl.int64) * cap
+    ci = CIDX + row.to(tl.int64) * cap
+    offs_t = tl.arange(0, BLOCK_T)
+    done = row * 0  # an int32 scalar: the type the loops carry
+    over = row < 0  # a bool scalar, false
+    if tl.load(ACTIVE + row) != 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        sid = tl.load(SEED + row.to(tl.int64) * stride_seed + offs_s, mask=offs_s < n_seed,
+                      other=-1)  # fmt: skip
+        s_in = (sid >= 0) & (sid < n)
+        sv = tl.load(base + sid, mask=s_in, other=float("-inf"))
+        skey = order_key(sv)
+        s_ok = s_in & (skey > order_key(tl.full([BLOCK_S], float("-inf"), tl.float32)))
+        good = tl.sum(s_ok.to(tl.int32), 0) >= k
+        thr = kth_largest_key(tl.where(s_ok, skey, -2147483648), s_ok, k, BLOCK_S, RADIX_BITS,
+                              RADIX)  # fmt: skip
+        if good:
+            for t0 in range(0, n, BLOCK_T):
+                pos = t0 + offs_t
+                ok = pos < n
+                x = tl.load(base + pos, mask=ok, other=float("-inf"))
+                take = ok & (order_key(x) >= thr)
+                at = done + prefix_count(take, BLOCK_T, SEG) - 1
+                keep = take & (at < cap)
+                tl.store(cv + at, x, mask=keep)
+                tl.store(ci + at, pos, mask=keep)
+                done += tl.sum(take.to(tl.int32), 0)
+        # Fewer than k candidates: a seed id listed twice counted twice (flagged, not trusted).
+        over = (~good) | (done > cap) | (done < k)
+    for p0 in range(0, cap, BLOCK_T):  # what was not written: no candidate
+        e = p0 + offs_t
+        pad = (e >= done) & (e < cap)
+        tl.store(cv + e, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pad)
+        tl.store(ci + e, tl.full([BLOCK_T], -1, tl.int32), mask=pad)
+    tl.store(OVER + row, over.to(tl.int8))
+
+
+@functools.cache
+def _seeded_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
+    return triton.jit(_seeded_kernel)
+
+
+def seeded_candidates_triton(
+    scores: torch.Tensor,
+    k: int,
+    seed: torch.Tensor,
+    capacity: int,
+    active: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launcher's Triton path (arguments checked by
+    :func:`prhs_kernels.topk.seeded_candidates`): one launch, a program per row."""
+    n = scores.shape[-1]
+    rows = scores.numel() // max(n, 1)
+    dev = scores.device
+    values = scores.reshape(rows, n)
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    sd = seed.reshape(rows, seed.shape[-1])
+    if sd.stride(-1) != 1:
+        sd = sd.contiguous()
+    cval = torch.empty(rows, capacity, dtype=torch.float32, device=dev)
+    cidx = torch.empty(rows, capacity, dtype=torch.int32, device=dev)
+    over = torch.empty(rows, dtype=torch.bool, device=dev)
+    if rows == 0:
+        return cval, cidx, over
+    t = SEEDED_TUNING
+    block_s = max(16, triton.next_power_of_2(max(sd.shape[-1], 1)))
+    block_t = max(16, min(t["tile"], triton.next_power_of_2(max(n, capacity, 1))))
+    consts = search_constants(t, "radix_bits", "scan_segment", block_t)
+    _seeded_jit(interpreting())[(rows,)](
+        values, sd, active.reshape(rows).contiguous().view(torch.int8), cval, cidx,
+        over.view(torch.int8), n, values.stride(0), sd.shape[-1], sd.stride(0), k, capacity,
+        BLOCK_S=block_s, BLOCK_T=block_t, **consts,
+        **pdl_args(dev, "cis"), num_warps=search_warps(block_s),
+    )  # fmt: skip
+    return cval, cidx, over

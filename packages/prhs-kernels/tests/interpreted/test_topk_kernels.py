@@ -1,0 +1,58 @@
+"""The seeded top-k's first pass (guess, verify) under Triton's interpreter (run by
+``../test_triton.py``) against its torch reference: the same candidates in the same order and
+the same flags, on rows with ties, NaN and ``-inf`` scores, good, partial, poor, duplicated and
+empty seeds, candidate buffers that overflow, rows shorter than a tile and inactive rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prhs_kernels import paths
+from prhs_kernels.topk import seeded_candidates, seeded_candidates_reference
+from prhs_kernels.topk import triton as topk_triton
+
+PATH = "triton-interpreter"
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    assert paths.interpreting(), "run this folder with TRITON_INTERPRET=1 (see ../test_triton.py)"
+    monkeypatch.delenv("PRHS_KERNELS", raising=False)
+
+
+@pytest.mark.parametrize(("n", "k", "cap", "tile"), [(700, 30, 64, 128), (50, 8, 16, 2048),
+                                                     (1000, 100, 256, 256)])  # fmt: skip
+def test_seeded_candidates_match_the_reference(monkeypatch, n, k, cap, tile):
+    monkeypatch.setitem(topk_triton.SEEDED_TUNING, "tile", tile)
+    gen = torch.Generator().manual_seed(n + k)
+    rows = 7
+    x = torch.randn(rows, n, generator=gen)
+    x[1, ::5] = x[1, 2]  # ties at the threshold
+    x[2, :20] = float("nan")
+    x[2, 20:40] = float("-inf")
+    best = torch.topk(x.nan_to_num(nan=float("-inf")), k + 10, dim=-1).indices
+    s = k + 10
+    seed = best[:, torch.randperm(s, generator=gen)].to(torch.int32)
+    seed[3] = torch.randperm(n, generator=gen)[:s].to(torch.int32)  # poor: overflows
+    seed[4] = -1  # none
+    seed[5, :] = seed[5, 0]  # one id many times: too few candidates, flagged
+    seed[6, -5:] = n + 5  # ids outside the row are ignored
+    active = torch.ones(rows, dtype=torch.bool)
+    active[0] = False
+    got = seeded_candidates(x, k, seed, capacity=cap, active=active, path=PATH)
+    want = seeded_candidates_reference(x, k, seed, cap, active)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) or torch.equal(a.nan_to_num(), b.nan_to_num())
+    _, ids, over = got
+    assert bool(over[4]) and not bool(over[0])  # no seed: flagged; inactive: nothing
+    if n > 100:  # a long row: the good seeds verify, the poor one does not
+        assert over[[1, 2, 3, 6]].tolist() == [False, False, True, False]
+    for r in range(1, rows):  # every verified row: its candidates hold the top k, in order
+        if over[r]:
+            continue
+        c = ids[r][ids[r] >= 0]
+        assert bool((c[1:] > c[:-1]).all())
+        top = torch.topk(x[r].nan_to_num(nan=float("-inf")), k).values[-1]
+        assert set(torch.nonzero(x[r] >= top).flatten().tolist()) <= set(c.tolist())
+    assert bool((ids[0] == -1).all()) and not bool(over[0])
