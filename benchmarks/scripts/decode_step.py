@@ -571,17 +571,31 @@ def bench_old(name: str, w: Workload, steps: int, repeats: int, budget: int) -> 
     return {"ms": ms[len(ms) // 2], "eager_ms": ms[len(ms) // 2]}
 
 
-def force_jumps(w: Workload, rho: float, seed: int = 12) -> None:
-    """Make a share ``rho`` of the (layer, sequence, KV head) query groups jump to a fresh query
-    at each step after the first (the others keep theirs): a trace whose retrieval ratio CIS
-    measures as about ``rho``."""
+JUMP_COS = 0.0
+"""Cosine of a forced jump's new query with the one it leaves (:func:`force_jumps`): 0, a fresh
+query (nothing the last retrieval found helps the next), or a move of that size (a retrieval
+triggered by a cosine threshold just above it)."""
+
+
+def force_jumps(w: Workload, rho: float, seed: int = 12, jump_cos: float | None = None) -> None:
+    """Make a share ``rho`` of the (layer, sequence, KV head) query groups jump at each step
+    after the first (the others keep theirs): a trace whose retrieval ratio CIS measures as
+    about ``rho``. A jump moves each query to cosine ``jump_cos`` (default :data:`JUMP_COS`)
+    with its last value, keeping its norm; 0 draws a fresh query."""
+    c = JUMP_COS if jump_cos is None else jump_cos
     g = torch.Generator(device=DEV).manual_seed(seed)
     steps, layers, b = w.q.shape[:3]
     q = w.q.clone().view(steps, layers, b, HKV, -1, D)
     for s in range(1, steps):
         jump = torch.rand(layers, b, HKV, generator=g, device=DEV) < rho
-        fresh = torch.randn(q[s].shape, generator=g, device=DEV).to(DTYPE)
-        q[s] = torch.where(jump[..., None, None], fresh, q[s - 1])
+        fresh = torch.randn(q[s].shape, generator=g, device=DEV)
+        if c:
+            old = q[s - 1].float()
+            norm = old.norm(dim=-1, keepdim=True)
+            ortho = fresh - (fresh * old).sum(-1, keepdim=True) / norm.square() * old
+            ortho = ortho / ortho.norm(dim=-1, keepdim=True) * norm
+            fresh = c * old + (1 - c * c) ** 0.5 * ortho
+        q[s] = torch.where(jump[..., None, None], fresh.to(DTYPE), q[s - 1])
     w.q = q.view_as(w.q)
 
 
@@ -707,12 +721,15 @@ def main(argv: list[str] | None = None) -> int:
         "(default: every registered one and cis-certified; bench: oracle,cis,quest,streaming)",
     )
     p.add_argument("--rho", type=float, default=None, help="profile: forced query jumps")
+    p.add_argument("--jump-cos", type=float, default=0.0,
+                   help="profile: a jump's cosine with the query it leaves (0: fresh)")  # fmt: skip
     p.add_argument("--cis", action="append", default=[], metavar="KEY=VALUE",
                    help="a CIS option, e.g. block_size=1 (repeatable)")  # fmt: skip
     a = p.parse_args(argv)
     parse_cis_options(a.cis)
-    global DEV
+    global DEV, JUMP_COS
     DEV = a.device
+    JUMP_COS = a.jump_cos
     out = open(a.out, "a") if a.out else None
     emit(out, {"part": "machine", "impl": a.impl, **machine()})
     if a.part == "profile":

@@ -495,6 +495,11 @@ def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
         del os.environ["PRHS_KERNELS"]
     (m0, o0, r0, p0), (m1, o1, r1, p1) = runs
     same = torch.stack([(a == b).all(-1) for a, b in zip(m0, m1, strict=True)]).float().mean()
+    # Near-ties of scores computed in another order can swap a few positions at the budget's
+    # edge: the share of positions both paths read (|A ∩ B| / |A ∪ B|, per row, mean).
+    jac = torch.stack(
+        [(a & b).sum(-1) / (a | b).sum(-1).clamp(min=1) for a, b in zip(m0, m1, strict=True)]
+    ).float().mean()
     same_dec = torch.stack([a == b for a, b in zip(r0, r1, strict=True)]).float().mean()
     err = max(((a - b).norm() / b.norm()).item() for a, b in zip(o1, o0, strict=True))
     emit(
@@ -507,6 +512,7 @@ def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
             "steps": steps,
             "layers": layers,
             "equal_selections": same.item(),
+            "mean_jaccard": jac.item(),
             "equal_decisions": same_dec.item(),
             "retrieval_ratio": torch.stack(r1).float().mean().item(),
             "max_out_rel_diff": err,
@@ -626,7 +632,7 @@ def bench(
                     r["vs_best_dense"] = best / r["ms"]
                 opts = ds.CIS_OPTIONS if name == "cis" else {}
                 emit(out, {"part": "bench", **shape, "op": f"{name} step", "rho": rho,
-                           "options": opts, **r})  # fmt: skip
+                           "jump_cos": ds.JUMP_COS, "options": opts, **r})  # fmt: skip
                 torch.cuda.empty_cache()
 
 
@@ -881,7 +887,8 @@ def table(paths: list[str]) -> None:
         note = r.get("error", "")
         if r.get("rho_measured") is not None:
             note = (
-                f"rho {r.get('rho')} measured {r['rho_measured']:.1f} %, floor "
+                f"rho {r.get('rho')} (jump cos {r.get('jump_cos', 0.0)}) measured "
+                f"{r['rho_measured']:.1f} %, floor "
                 f"{r['floor_ms']:.4f} ms (x{r['vs_floor']:.2f}), eager {r['eager_ms']:.3f}"
             )
             if r.get("gpu_busy") is not None:
@@ -921,6 +928,13 @@ def main(argv: list[str] | None = None) -> int:
         "drift,0.05,0.1,0.2)",
     )
     p.add_argument(
+        "--jump-cos",
+        type=float,
+        default=0.0,
+        help="bench: cosine of a forced jump's query with the one it leaves (0: a fresh query; "
+        "decode_step.JUMP_COS)",
+    )
+    p.add_argument(
         "--dense-only",
         action="store_true",
         help="bench: of the kernel rows, the dense ones only (the step rows' baseline)",
@@ -950,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     import decode_step as ds
 
     ds.parse_cis_options(a.cis)
+    ds.JUMP_COS = a.jump_cos
     if a.part == "table":
         table(a.files)
         return 0
