@@ -458,6 +458,100 @@ def check_louver_index(out: Any) -> None:
         )
 
 
+def code_rows(kv: Any, layers: int = 2, layer: int = 1, path: str = "torch") -> Any:
+    """A contiguous cache's keys as code rows (:mod:`prhs_kernels.keycodes`), written by
+    ``path``, in layer ``layer`` of a ``layers``-layer side-cache field (a strided view, as a
+    selector keeps them)."""
+    from prhs_kernels.keycodes import KeyCodes, code_bytes, write_key_codes
+    from prhs_kernels.kv import token_locations
+
+    b, hkv, t, d = kv.k.shape
+    field = torch.zeros(b * t + 1, layers, hkv, code_bytes(d), dtype=torch.uint8, device=DEV)
+    pos = torch.arange(t, device=DEV).view(1, -1).expand(b, -1)
+    loc = token_locations(kv, pos, t).flatten()
+    keys = kv.k.transpose(1, 2).reshape(-1, hkv, d)
+    write_key_codes(field[:, layer], loc, keys, path=path)
+    return KeyCodes(field[:, layer], t)
+
+
+def check_codes(out: Any) -> None:
+    """Key codes on the GPU: the Triton write's bytes against torch's, and the scores read from
+    codes (retrieval probabilities, a re-ranking) by the Triton path against the torch path."""
+    from prhs_kernels.cis import cis_rescore
+    from prhs_kernels.score import retrieval_probs
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    lens = [5000, 3001, 4096, 17]
+    b, t, hq, hkv = len(lens), max(lens), 32, 8
+    kv = contiguous(b, hkv, t, lens, padded=False, gen=gen)
+    ref, got = code_rows(kv, path="torch"), code_rows(kv, path="triton")
+    same = (ref.rows[:-1] == got.rows[:-1]).all(-1).float().mean().item()  # the last: scratch
+    q = torch.randn(b, hq, D, generator=gen, device=DEV).to(DTYPE)
+    active = torch.rand(b, hkv, generator=gen, device=DEV) < 0.5
+    os.environ["PRHS_KERNELS"] = "torch"
+    want = retrieval_probs(q, kv, SCALING, active, codes=ref)
+    del os.environ["PRHS_KERNELS"]
+    have = retrieval_probs(q, kv, SCALING, active, codes=ref)
+    rel = ((have - want).norm() / want.norm()).item()
+    m, r, n_slots = 64, 128, b
+    perms = [torch.randperm(2000, generator=gen, device=DEV)[: m + r] for _ in range(b * hkv)]
+    pools = torch.stack(perms).view(n_slots, hkv, m + r).int()
+    alen = torch.full((n_slots, hkv), 10, dtype=torch.int32, device=DEV)
+    slots = torch.arange(b, device=DEV)
+    lists = []
+    for path in ("torch", "triton"):
+        idx, nxt = pools[..., :m].clone(), pools[..., m:].clone()
+        cnt = torch.full((n_slots, hkv), m, dtype=torch.int32, device=DEV)
+        cis_rescore(q, kv, SCALING, active, alen, idx, cnt, nxt, slots, block_size=1, n_sink=4,
+                    n_local=32, hold_local=True, codes=ref, path=path)  # fmt: skip
+        lists.append(idx)
+    rows_same = (lists[0] == lists[1]).all(-1).float().mean().item()
+    sets = [torch.sort(x, -1).values for x in lists]
+    set_same = (sets[0] == sets[1]).all(-1).float().mean().item()
+    emit(out, {"part": "check", "op": "key codes", "code_rows_equal": same,
+               "retrieval_probs_rel_err": rel, "rescore_lists_equal": rows_same,
+               "rescore_sets_equal": set_same})  # fmt: skip
+
+
+def tune_codes(out: Any, b: int, t: int, hkv: int) -> None:
+    """The retrieval's logits pass reading code rows (``retrieval_probs`` with ``codes``; a
+    quarter of the rows retrieving): its launch parameters swept, and the same pass on the keys
+    for comparison."""
+    from prhs_kernels.score import retrieval_probs
+    from prhs_kernels.score import triton as sc_triton
+
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    hq = 32
+    kv = contiguous(b, hkv, t, [t] * b, padded=False, gen=gen)
+    codes = code_rows(kv, path="triton")
+    q = torch.randn(b, hq, D, generator=gen, device=DEV).to(DTYPE)
+    n_act = max(1, round(0.24 * b * hkv))
+    active = torch.zeros(b * hkv, dtype=torch.bool, device=DEV)
+    active[:n_act] = True
+    active = active[torch.randperm(b * hkv, generator=gen, device=DEV)].view(b, hkv)
+    probs = torch.empty(b, hkv, t, device=DEV)
+    saved = dict(sc_triton.TUNING)
+    grid = [(512, 64, 8, 4, 3), (2048, 128, 8, 4, 3), (2048, 256, 4, 4, 2), (1024, 256, 8, 8, 2),
+            (4096, 256, 4, 8, 3), (2048, 128, 16, 4, 3), (4096, 512, 2, 8, 2),
+            (1024, 128, 8, 4, 4)]  # fmt: skip
+    for what in ("codes", "keys"):
+        for span, block_t, pps, warps, stages in grid if what == "codes" else grid[:1]:
+            sc_triton.TUNING.update(span=span, block_t=block_t, programs_per_sm=pps,
+                                    num_warps=warps, num_stages=stages)  # fmt: skip
+            c = codes if what == "codes" else None
+            try:
+                ms = graph_ms(lambda c=c: retrieval_probs(q, kv, SCALING, active, out=probs,
+                                                          codes=c))  # fmt: skip
+                per_key = (D // 2 + 8) if c is not None else D * 2
+                r = {"ms": ms, "read TB/s": n_act * t * per_key / ms / 1e9}
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"[:200]}
+            emit(out, {"part": "tune-codes", "B": b, "T": t, "Hkv": hkv, "read": what,
+                       "active": n_act, **sc_triton.TUNING, **r})  # fmt: skip
+    sc_triton.TUNING.clear()
+    sc_triton.TUNING.update(saved)
+
+
 def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
     """A selector's Triton step against its torch path on the same decode trace: the share of
     (step, layer, row, KV head) selections that are equal as sets, of equal retrieval decisions,
@@ -857,6 +951,8 @@ def table(paths: list[str]) -> None:
                     )
                 },
             )
+        if r.get("part") in ("tune-codes", "check") and r.get("op") in (None, "key codes"):
+            print(r.get("part"), {k: v for k, v in r.items() if k not in ("part",)})
         if r.get("part") == "tune":
             print(
                 "tune",
@@ -906,7 +1002,9 @@ def table(paths: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["check", "check-proxies", "bench", "tune", "table"])
+    p.add_argument(
+        "part", choices=["check", "check-proxies", "bench", "tune", "tune-codes", "table"]
+    )
     p.add_argument("files", nargs="*", help="table: JSONL files")
     p.add_argument("--out", default=None)
     p.add_argument("--budget", type=int, default=1024)
@@ -993,6 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
             check_selector_paths(out, *checks[key])
         if a.check_selectors is None or "louver" in only:
             check_louver_index(out)
+        check_codes(out)
         check(out)
     elif a.part == "check-proxies":
         for name in ("double_sparsity", "hshare"):
@@ -1003,6 +1102,10 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "louver", {"budget": 1024})
         check_louver_index(out)
         check(out, ("labels", "rabitq"))
+    elif a.part == "tune-codes":
+        for item in a.step_shapes.split(","):
+            b, t, h = item.split("x")
+            tune_codes(out, int(b), int(t) * 1024, int(h))
     elif a.part == "tune":
         for item in a.step_shapes.split(","):
             b, t, h = item.split("x")

@@ -5,8 +5,8 @@
 # Knobs (environment): CHECK_ARGS (kernels.py check, e.g. "--check-selectors cis,cis-exact"),
 # GRAPH_ARGS (decode_step.py check, e.g. "--selectors cis,prhs"), PROFILE_ARGS (a
 # decode_step.py profile run when set), BENCH2_ARGS (a second bench into bench2.jsonl when set),
-# and each part's time limit: CHECK_S, GRAPH_S, PROFILE_S, TUNE_S (0: no tuning), BENCH_S,
-# BENCH2_S.
+# TUNE_ARGS (kernels.py tune, e.g. "tune-codes --step-shapes 16x64x8"), and each part's time
+# limit: CHECK_S, GRAPH_S, PROFILE_S, TUNE_S (0: no tuning), BENCH_S, BENCH2_S.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-kernels-out}
@@ -33,7 +33,8 @@ if [[ -n "${PROFILE_ARGS:-}" ]]; then
     echo "profile rc=$?"
 fi
 if [[ "${TUNE_S:-120}" != 0 ]]; then
-    timeout "${TUNE_S:-120}" python benchmarks/scripts/kernels.py tune --out "$OUT/tune.jsonl" >"$OUT/tune.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout "${TUNE_S:-120}" python benchmarks/scripts/kernels.py ${TUNE_ARGS:-tune} --out "$OUT/tune.jsonl" >"$OUT/tune.log" 2>&1
     echo "tune rc=$?"
 fi
 timeout "${BENCH_S:-420}" python benchmarks/scripts/kernels.py bench --out "$OUT/bench.jsonl" "$@" >"$OUT/bench.log" 2>&1

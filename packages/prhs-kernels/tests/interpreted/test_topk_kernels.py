@@ -1,7 +1,8 @@
 """The seeded top-k's first pass (guess, verify) under Triton's interpreter (run by
 ``../test_triton.py``) against its torch reference: the same candidates in the same order and
 the same flags, on rows with ties, NaN and ``-inf`` scores, good, partial, poor, duplicated and
-empty seeds, candidate buffers that overflow, rows shorter than a tile and inactive rows."""
+empty seeds, candidate buffers that overflow, rows of one chunk and of several, and inactive
+rows."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ def _interpret(monkeypatch):
     monkeypatch.delenv("PRHS_KERNELS", raising=False)
 
 
-@pytest.mark.parametrize(("n", "k", "cap", "tile"), [(700, 30, 64, 128), (50, 8, 16, 2048),
+@pytest.mark.parametrize(("n", "k", "cap", "chunk"), [(700, 30, 64, 128), (50, 8, 16, 4096),
                                                      (1000, 100, 256, 256)])  # fmt: skip
-def test_seeded_candidates_match_the_reference(monkeypatch, n, k, cap, tile):
-    monkeypatch.setitem(topk_triton.SEEDED_TUNING, "tile", tile)
+def test_seeded_candidates_match_the_reference(monkeypatch, n, k, cap, chunk):
+    monkeypatch.setitem(topk_triton.SEEDED_TUNING, "chunk", chunk)
     gen = torch.Generator().manual_seed(n + k)
     rows = 7
     x = torch.randn(rows, n, generator=gen)

@@ -97,17 +97,18 @@ def seeded_candidates(
     active: torch.Tensor | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The guess-and-verify pass of a top-``k`` seeded by a nearby set (TensorRT-LLM's
+    """The guess-and-verify passes of a top-``k`` seeded by a nearby set (after TensorRT-LLM's
     Guess-Verify-Refine): ``(values [..., C], ids [..., C] int32, overflow [...] bool)``, ``C =
     capacity`` (see :func:`.reference.seeded_candidates_reference`).
 
     ``scores [..., N]`` float32; ``seed [..., S]`` integer ids into the last dim (``-1``: none;
     distinct within a row), e.g. the ids an anchor's top-``k`` pool held; ``active [...]``:
-    the rows to rank (``None``: all). A row's candidates, the scores reaching its seed's
-    ``k``-th best, hold its exact top ``k`` wherever ``overflow`` is false: rank them (ties
-    toward the lower position, which the candidates' order keeps) and redo only the flagged
-    rows over the whole row. On a Triton ``path``: one launch, a program per row, which reads
-    the row once."""
+    the rows to rank (``None``: all). A row's candidates, the scores reaching the highest of
+    its seed's thresholds that ``k`` scores reach, hold its exact top ``k`` wherever
+    ``overflow`` is false: rank them (ties toward the lower position, which the candidates'
+    order keeps) and redo only the flagged rows over the whole row. On a Triton ``path``: three
+    launches (the thresholds, a program per row; the counts and the collection, a program per
+    chunk of a row), which read each row twice."""
     check_float_tensor("scores", scores, min_ndim=1)
     check_int("k", k, minimum=1)
     check_int("capacity", capacity, minimum=k)

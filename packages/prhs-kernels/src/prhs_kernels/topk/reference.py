@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["seeded_candidates_reference", "top_p_indices_reference", "topk_indices_reference"]
+__all__ = [
+    "SEED_EDGES",
+    "order_keys",
+    "seeded_candidates_reference",
+    "top_p_indices_reference",
+    "topk_indices_reference",
+]
 
 
 def _clean(scores: torch.Tensor, eligible: torch.Tensor | None) -> torch.Tensor:
@@ -90,6 +96,16 @@ def top_p_indices_reference(
     return idx, counts.to(torch.int32)
 
 
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys of float32 ``x`` whose signed order is the floats' order (NaN as ``-inf``)."""
+    bits = x.float().nan_to_num(nan=float("-inf")).contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+SEED_EDGES = 16
+"""Thresholds a seeded top-k tries at once (:func:`seeded_candidates_reference`)."""
+
+
 def seeded_candidates_reference(
     scores: torch.Tensor,
     k: int,
@@ -98,33 +114,47 @@ def seeded_candidates_reference(
     active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values [..., C] float32, ids [..., C] int32, overflow [...] bool)``, ``C =
-    capacity``: the guess-and-verify pass of a seeded top-k.
+    capacity``: the guess-and-verify passes of a seeded top-k.
 
-    Per row of ``scores [..., N]`` (NaN as ``-inf``): the threshold ``θ`` is the ``k``-th
-    largest score at the row's ``seed [..., S]`` ids (ids outside ``[0, N)`` ignored); every
-    score ``>= θ`` is a candidate, in position order, the first ``C`` of them written with
-    their positions (``-inf`` / ``-1`` after). Since the seed's ``k`` best are in the row,
-    ``θ`` is at most the row's own ``k``-th best, so the candidates hold the row's top ``k``
-    unless they overflow. ``overflow`` flags the rows where they do (more than ``C``
-    candidates), where the seed has fewer than ``k`` finite scores (no threshold), or where
-    fewer than ``k`` scores reach it (a seed id listed twice): their top ``k`` needs the whole
-    row. Rows not ``active`` get no candidate and no flag."""
+    Per row of ``scores [..., N]`` (NaN as ``-inf``; scores compared by their order keys,
+    :func:`order_keys`): the seed's scores are those at the row's ``seed [..., S]`` ids (ids
+    outside ``[0, N)`` ignored). :data:`SEED_EDGES` thresholds are placed evenly in key space
+    from the seed's best score down to its ``k``-th best (integer steps, the last exactly the
+    ``k``-th best); the highest threshold that at least ``k`` of the row's scores reach is
+    chosen, and every score reaching it is a candidate, in position order, the first ``C``
+    written with their positions (``-inf`` / ``-1`` after). The lowest threshold is at most
+    the row's own ``k``-th best (the seed's ``k`` best are in the row), so one is always
+    reached and the candidates hold the row's top ``k`` unless they overflow. ``overflow``
+    flags the rows where they do (more than ``C``), where the seed has fewer than ``k``
+    finite scores (no threshold) or where fewer than ``k`` scores reach it (a seed id listed
+    twice): their top ``k`` needs the whole row. Rows not ``active`` get no candidate and no
+    flag."""
     n = scores.shape[-1]
     lead = scores.shape[:-1]
+    e = SEED_EDGES
     x = scores.float().nan_to_num(nan=float("-inf"))
+    key = order_keys(x)
+    neg = int(order_keys(torch.tensor(float("-inf"))))
     sid = seed.long()
     s_in = (sid >= 0) & (sid < n)
-    sv = torch.gather(x, -1, sid.clamp(0, max(n - 1, 0))).masked_fill(~s_in, float("-inf"))
-    finite = (sv > float("-inf")).sum(-1)
+    skey = torch.gather(key, -1, sid.clamp(0, max(n - 1, 0)))
+    s_ok = s_in & (skey > neg)
     on = torch.ones(lead, dtype=torch.bool, device=x.device) if active is None else active
-    good = on & (finite >= k) & (k >= 1)
-    kk = min(max(k, 1), sv.shape[-1]) if sv.shape[-1] else 0
-    if kk:
-        thr = torch.topk(sv, kk, dim=-1).values[..., -1]
-    else:
-        thr = torch.full(lead, float("inf"), device=x.device)
-    take = good.unsqueeze(-1) & (x >= thr.unsqueeze(-1))
-    count = take.sum(-1)
+    good = on & (s_ok.sum(-1) >= k)
+    lowest = torch.iinfo(torch.int32).min
+    masked = torch.where(s_ok, skey, lowest).long()
+    kk = min(k, masked.shape[-1])
+    low = torch.topk(masked, kk, dim=-1).values[..., -1]
+    top = masked.max(-1).values
+    j = torch.arange(e, device=x.device)
+    edges = top.unsqueeze(-1) - torch.div(
+        (top - low).unsqueeze(-1) * j, e - 1, rounding_mode="floor"
+    )  # [..., E], falling
+    total = (key.long().unsqueeze(-1) >= edges.unsqueeze(-2)).sum(-2)  # [..., E], rising
+    pick = (total < k).sum(-1).clamp(max=e - 1)
+    thr = torch.gather(edges, -1, pick.unsqueeze(-1))
+    n_all = torch.gather(total, -1, pick.unsqueeze(-1)).squeeze(-1)
+    take = good.unsqueeze(-1) & (key.long() >= thr)
     rank = torch.cumsum(take.to(torch.int64), -1) - 1  # each candidate's place, in order
     keep = take & (rank < capacity)
     values = torch.full((*lead, capacity + 1), float("-inf"), device=x.device)
@@ -133,5 +163,5 @@ def seeded_candidates_reference(
     pos = torch.arange(n, device=x.device, dtype=torch.int32).expand_as(x)
     values.scatter_(-1, at, torch.where(keep, x, float("-inf")))
     ids.scatter_(-1, at, torch.where(keep, pos, -1))
-    overflow = on & (~good | (count > capacity) | (count < k))
+    overflow = on & (~good | (good & ((n_all > capacity) | (n_all < k))))
     return values[..., :capacity], ids[..., :capacity], overflow

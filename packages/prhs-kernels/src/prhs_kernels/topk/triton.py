@@ -16,15 +16,16 @@ The CIS top-k (:mod:`prhs_kernels.cis.triton`) and Quest's page selection
 (:mod:`prhs_kernels.quest.triton`) are built on them. They are ``triton.jit`` functions inlined
 into the kernels that call them.
 
-One kernel launches from here, the guess-and-verify first pass of a seeded top-k
-(:func:`seeded_candidates_triton`, TensorRT-LLM's Guess-Verify-Refine): a program per row
-finds the ``k``-th best score of the row's seed ids (a set that held the top ``k`` of a nearby
-query: an anchor's pool), a threshold no higher than the row's own ``k``-th best, then walks
-the row once and writes every score at or above it, with its position, in position order
-into a buffer of fixed capacity. Where the seed was good, that buffer holds the row's top
-``k`` among a few more, and one top-k pass over the buffer finishes the job; a row whose
-seed could not give a threshold, or whose candidates overflow the buffer, is flagged for the
-full top-k.
+Three kernels launch from here, the guess-and-verify passes of a seeded top-k
+(:func:`seeded_candidates_triton`, after TensorRT-LLM's Guess-Verify-Refine): a program per row
+takes the scores at the row's seed ids (a set that held the top ``k`` of a nearby query: an
+anchor's pool) and places :data:`EDGES` thresholds from their best to their ``k``-th best (a
+threshold no higher than the row's own ``k``-th best); programs over chunks of the row count
+what reaches each threshold; then the same programs choose the highest threshold that at least
+``k`` scores reach and write those scores, with their positions, in position order into a
+buffer of fixed capacity. That buffer holds the row's top ``k``, and one top-k pass over it
+finishes the job; a row whose seed gives no threshold, or whose candidates overflow the buffer,
+is flagged for the full top-k.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ import triton.language as tl
 
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
+from prhs_kernels.topk.reference import SEED_EDGES
 
 __all__ = [
+    "EDGES",
     "SEEDED_TUNING",
     "kth_largest_key",
     "order_key",
@@ -49,9 +52,13 @@ __all__ = [
     "take_top",
 ]
 
-SEEDED_TUNING = {"tile": 2048, "radix_bits": 2, "scan_segment": 128}
-"""The seeded first pass: positions per tile of the walk over a row, and the search's bits a
-round and prefix-count segment (:func:`search_constants`)."""
+SEEDED_TUNING = {"chunk": 4096, "radix_bits": 2, "scan_segment": 128}
+"""The seeded passes: positions per program of the count and the collection, and the seed's
+search's bits a round and the prefix counts' segment (:func:`search_constants`)."""
+
+EDGES = SEED_EDGES
+"""Thresholds a seeded top-k tries at once, evenly spaced in the scores' order keys from the
+seed's best score to its ``k``-th best (:func:`.reference.seeded_candidates_reference`)."""
 
 
 def search_constants(tuning: dict, bits_key: str, segment_key: str, block: int) -> dict:
@@ -169,72 +176,123 @@ def take_top(
     return take, pos
 
 
-def _seeded_kernel(
-    SCORES,
-    SEED,
-    ACTIVE,
-    CVAL,
-    CIDX,
-    OVER,
-    n,
-    stride_row,
-    n_seed,
-    stride_seed,
-    k,
-    cap,
-    BLOCK_S: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    RADIX: tl.constexpr,
-    SEG: tl.constexpr,
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _edge_keys(EDGE, row, E: tl.constexpr):
+    """The row's ``E`` threshold keys (descending; the last its seed's ``k``-th best) and its
+    state: 0 not ranked, 1 ranked without a threshold (no seed), 2 ranked from the seed."""
+    offs_e = tl.arange(0, E)
+    top = tl.load(EDGE + row.to(tl.int64) * (E + 1))
+    low = tl.load(EDGE + row.to(tl.int64) * (E + 1) + 1)
+    state = tl.load(EDGE + row.to(tl.int64) * (E + 1) + 2)
+    span = top.to(tl.int64) - low.to(tl.int64)
+    keys = (top.to(tl.int64) - (span * offs_e) // (E - 1)).to(tl.int32)
+    return keys, state
+
+
+def _seed_edges_kernel(
+    SCORES, SEED, ACTIVE, EDGE, n, stride_row, n_seed, stride_seed, k,
+    E: tl.constexpr, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr, RADIX: tl.constexpr,
     PDL: tl.constexpr,
-):
-    # One program per row: guess (the seed's k-th best score), verify (walk the row once,
-    # writing what reaches it in position order), and flag the rows a full top-k must redo.
+):  # fmt: skip
+    # One program per row: the seed's best and k-th best order keys, and whether they exist.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     base = SCORES + row.to(tl.int64) * stride_row
+    offs_s = tl.arange(0, BLOCK_S)
+    sid = tl.load(SEED + row.to(tl.int64) * stride_seed + offs_s, mask=offs_s < n_seed, other=-1)
+    s_in = (sid >= 0) & (sid < n)
+    skey = order_key(tl.load(base + sid, mask=s_in, other=float("-inf")))
+    s_ok = s_in & (skey > order_key(tl.full([BLOCK_S], float("-inf"), tl.float32)))
+    active = tl.load(ACTIVE + row) != 0
+    good = active & (tl.sum(s_ok.to(tl.int32), 0) >= k)
+    low = kth_largest_key(tl.where(s_ok, skey, -2147483648), s_ok, k, BLOCK_S, RADIX_BITS,
+                          RADIX)  # fmt: skip
+    top = tl.max(tl.where(s_ok, skey, -2147483648), 0)
+    out = EDGE + row.to(tl.int64) * (E + 1)
+    tl.store(out, top)
+    tl.store(out + 1, low)
+    tl.store(out + 2, active.to(tl.int32) + good.to(tl.int32))
+
+
+def _seed_count_kernel(
+    SCORES, EDGE, COUNT, n, stride_row, n_chunks, chunk,
+    E: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # Program (row, chunk): how many of the chunk's scores reach each threshold.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    keys, state = _edge_keys(EDGE, row, E)
+    cnt = tl.zeros([E], tl.int32)
+    if state == 2:
+        base = SCORES + row.to(tl.int64) * stride_row
+        lo = c * chunk
+        for t0 in range(lo, tl.minimum(lo + chunk, n), BLOCK):
+            pos = t0 + tl.arange(0, BLOCK)
+            x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+            kx = tl.where(pos < n, order_key(x), -2147483648)
+            cnt += tl.sum((kx[:, None] >= keys[None, :]).to(tl.int32), 0)
+    tl.store(COUNT + (row.to(tl.int64) * n_chunks + c) * E + tl.arange(0, E), cnt)
+
+
+def _seed_collect_kernel(
+    SCORES, EDGE, COUNT, CVAL, CIDX, OVER, n, stride_row, n_chunks, chunk, k, cap,
+    E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # Program (row, chunk): the highest threshold at least k scores of the row reach; the
+    # chunk's scores reaching it, written after the earlier chunks'; the last program pads the
+    # buffer and flags the row.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    keys, state = _edge_keys(EDGE, row, E)
+    ok = state == 2
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_e = tl.arange(0, E)
+    counts = tl.load(COUNT + (row.to(tl.int64) * n_chunks + offs_c)[:, None] * E + offs_e[None, :],
+                     mask=(offs_c < n_chunks)[:, None], other=0)  # fmt: skip
+    total = tl.sum(counts, 0)  # [E], rising with the index (the keys fall)
+    j = tl.minimum(tl.sum((total < k).to(tl.int32), 0), E - 1)  # the first edge reaching k
+    thr = tl.sum(tl.where(offs_e == j, keys, 0), 0)
+    n_all = tl.sum(tl.where(offs_e == j, total, 0), 0)
+    before = tl.sum(tl.sum(tl.where((offs_c < c)[:, None] & (offs_e == j)[None, :], counts, 0),
+                           1), 0)  # fmt: skip
     cv = CVAL + row.to(tl.int64) * cap
     ci = CIDX + row.to(tl.int64) * cap
-    offs_t = tl.arange(0, BLOCK_T)
-    done = row * 0  # an int32 scalar: the type the loops carry
-    over = row < 0  # a bool scalar, false
-    if tl.load(ACTIVE + row) != 0:
-        offs_s = tl.arange(0, BLOCK_S)
-        sid = tl.load(SEED + row.to(tl.int64) * stride_seed + offs_s, mask=offs_s < n_seed,
-                      other=-1)  # fmt: skip
-        s_in = (sid >= 0) & (sid < n)
-        sv = tl.load(base + sid, mask=s_in, other=float("-inf"))
-        skey = order_key(sv)
-        s_ok = s_in & (skey > order_key(tl.full([BLOCK_S], float("-inf"), tl.float32)))
-        good = tl.sum(s_ok.to(tl.int32), 0) >= k
-        thr = kth_largest_key(tl.where(s_ok, skey, -2147483648), s_ok, k, BLOCK_S, RADIX_BITS,
-                              RADIX)  # fmt: skip
-        if good:
-            for t0 in range(0, n, BLOCK_T):
-                pos = t0 + offs_t
-                ok = pos < n
-                x = tl.load(base + pos, mask=ok, other=float("-inf"))
-                take = ok & (order_key(x) >= thr)
-                at = done + prefix_count(take, BLOCK_T, SEG) - 1
-                keep = take & (at < cap)
-                tl.store(cv + at, x, mask=keep)
-                tl.store(ci + at, pos, mask=keep)
-                done += tl.sum(take.to(tl.int32), 0)
-        # Fewer than k candidates: a seed id listed twice counted twice (flagged, not trusted).
-        over = (~good) | (done > cap) | (done < k)
-    for p0 in range(0, cap, BLOCK_T):  # what was not written: no candidate
-        e = p0 + offs_t
-        pad = (e >= done) & (e < cap)
-        tl.store(cv + e, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=pad)
-        tl.store(ci + e, tl.full([BLOCK_T], -1, tl.int32), mask=pad)
-    tl.store(OVER + row, over.to(tl.int8))
+    offs = tl.arange(0, BLOCK)
+    over = (state == 1) | (ok & ((n_all > cap) | (n_all < k)))
+    done = before
+    if ok:
+        base = SCORES + row.to(tl.int64) * stride_row
+        lo = c * chunk
+        for t0 in range(lo, tl.minimum(lo + chunk, n), BLOCK):
+            pos = t0 + offs
+            x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+            take = (pos < n) & (order_key(x) >= thr)
+            at = done + prefix_count(take, BLOCK, SEG) - 1
+            keep = take & (at < cap)
+            tl.store(cv + at, x, mask=keep)
+            tl.store(ci + at, pos, mask=keep)
+            done += tl.sum(take.to(tl.int32), 0)
+    if c == n_chunks - 1:
+        written = tl.where(ok, tl.minimum(n_all, cap), 0)
+        for p0 in range(0, cap, BLOCK):
+            e = p0 + offs
+            pad = (e >= written) & (e < cap)
+            tl.store(cv + e, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
+            tl.store(ci + e, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        tl.store(OVER + row, over.to(tl.int8))
 
 
 @functools.cache
-def _seeded_jit(interpret: bool) -> object:
+def _seeded_jit(interpret: bool) -> tuple[object, object, object]:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
-    return triton.jit(_seeded_kernel)
+    return (
+        triton.jit(_seed_edges_kernel),
+        triton.jit(_seed_count_kernel),
+        triton.jit(_seed_collect_kernel),
+    )
 
 
 def seeded_candidates_triton(
@@ -245,7 +303,8 @@ def seeded_candidates_triton(
     active: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launcher's Triton path (arguments checked by
-    :func:`prhs_kernels.topk.seeded_candidates`): one launch, a program per row."""
+    :func:`prhs_kernels.topk.seeded_candidates`): three launches, the seed's thresholds (a
+    program per row), the counts and the collection (a program per chunk of a row)."""
     n = scores.shape[-1]
     rows = scores.numel() // max(n, 1)
     dev = scores.device
@@ -261,13 +320,28 @@ def seeded_candidates_triton(
     if rows == 0:
         return cval, cidx, over
     t = SEEDED_TUNING
+    chunk = max(16, min(t["chunk"], triton.next_power_of_2(max(n, 1))))
+    n_chunks = max(1, -(-n // chunk))
+    block = min(chunk, 1024)
     block_s = max(16, triton.next_power_of_2(max(sd.shape[-1], 1)))
-    block_t = max(16, min(t["tile"], triton.next_power_of_2(max(n, capacity, 1))))
-    consts = search_constants(t, "radix_bits", "scan_segment", block_t)
-    _seeded_jit(interpreting())[(rows,)](
-        values, sd, active.reshape(rows).contiguous().view(torch.int8), cval, cidx,
-        over.view(torch.int8), n, values.stride(0), sd.shape[-1], sd.stride(0), k, capacity,
-        BLOCK_S=block_s, BLOCK_T=block_t, **consts,
-        **pdl_args(dev, "cis"), num_warps=search_warps(block_s),
+    consts = search_constants(t, "radix_bits", "scan_segment", block)
+    edges = torch.empty(rows, EDGES + 1, dtype=torch.int32, device=dev)
+    counts = torch.empty(rows, n_chunks, EDGES, dtype=torch.int32, device=dev)
+    k_edges, k_count, k_collect = _seeded_jit(interpreting())
+    flags = active.reshape(rows).contiguous().view(torch.int8)
+    pdl = pdl_args(dev, "cis")
+    k_edges[(rows,)](
+        values, sd, flags, edges, n, values.stride(0), sd.shape[-1], sd.stride(0), k,
+        E=EDGES, BLOCK_S=block_s, RADIX_BITS=consts["RADIX_BITS"], RADIX=consts["RADIX"], **pdl,
+        num_warps=search_warps(block_s),
+    )  # fmt: skip
+    k_count[(rows, n_chunks)](
+        values, edges, counts, n, values.stride(0), n_chunks, chunk, E=EDGES, BLOCK=block, **pdl,
+        num_warps=4,
+    )  # fmt: skip
+    k_collect[(rows, n_chunks)](
+        values, edges, counts, cval, cidx, over.view(torch.int8), n, values.stride(0), n_chunks,
+        chunk, k, capacity, E=EDGES, BLOCK=block, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
+        SEG=consts["SEG"], **pdl, num_warps=4,
     )  # fmt: skip
     return cval, cidx, over
