@@ -550,6 +550,42 @@ def tune_codes(out: Any, b: int, t: int, hkv: int) -> None:
                        "active": n_act, **sc_triton.TUNING, **r})  # fmt: skip
     sc_triton.TUNING.clear()
     sc_triton.TUNING.update(saved)
+    tune_rescore_codes(out, kv, codes, q, gen)
+
+
+def tune_rescore_codes(out: Any, kv: Any, codes: Any, q: torch.Tensor, gen: Any) -> None:
+    """A reuse's re-ranking (``cis_rescore``, budget 1024, a pool of 3072, three quarters of
+    the rows reusing) from code rows and from the keys, over its tile and programs."""
+    from prhs_kernels.cis import cis_rescore
+    from prhs_kernels.cis import triton as cis_triton
+
+    b, hkv, t, _ = kv.k.shape
+    m, r = 1024, 2048
+    perms = [torch.randperm(t - 64, generator=gen, device=DEV)[: m + r] for _ in range(b * hkv)]
+    pools = torch.stack(perms).view(b, hkv, m + r).int()
+    alen = torch.full((b, hkv), t - 8, dtype=torch.int32, device=DEV)
+    slots = torch.arange(b, device=DEV)
+    reuse = torch.rand(b, hkv, generator=gen, device=DEV) < 0.76
+    saved = dict(cis_triton.TUNING)
+    for what, tile, pps in (("codes", 64, 8), ("codes", 128, 8), ("codes", 256, 8),
+                            ("codes", 256, 4), ("codes", 512, 4), ("keys", 64, 8)):  # fmt: skip
+        cis_triton.TUNING.update(rescore_tile=tile, rescore_programs_per_sm=pps)
+        c = codes if what == "codes" else None
+        idx, nxt = pools[..., :m].clone(), pools[..., m:].clone()
+        cnt = torch.full((b, hkv), m, dtype=torch.int32, device=DEV)
+
+        def run(c: Any = c, idx: Any = idx, cnt: Any = cnt, nxt: Any = nxt) -> None:
+            cis_rescore(q, kv, SCALING, reuse, alen, idx, cnt, nxt, slots, block_size=1,
+                        n_sink=4, n_local=32, hold_local=True, codes=c, path="triton")  # fmt: skip
+
+        try:
+            r_ = {"ms": graph_ms(run)}
+        except Exception as e:
+            r_ = {"error": f"{type(e).__name__}: {e}"[:200]}
+        emit(out, {"part": "tune-codes", "op": "rescore", "B": b, "T": t, "read": what,
+                   "tile": tile, "programs_per_sm": pps, **r_})  # fmt: skip
+    cis_triton.TUNING.clear()
+    cis_triton.TUNING.update(saved)
 
 
 def check_selector_paths(out: Any, name: str, options: dict[str, Any]) -> None:
