@@ -987,7 +987,7 @@ def table(paths: list[str]) -> None:
                     )
                 },
             )
-        if r.get("part") in ("tune-codes", "check") and r.get("op") in (None, "key codes"):
+        if r.get("part") == "tune-codes" or r.get("op") == "key codes":
             print(r.get("part"), {k: v for k, v in r.items() if k not in ("part",)})
         if r.get("part") == "tune":
             print(
