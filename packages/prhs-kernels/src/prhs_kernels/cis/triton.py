@@ -79,6 +79,7 @@ TUNING = {
     "rescore_programs_per_sm": 8,
     "rescore_min_tiles": 2,
     "rescore_tile": 64,
+    "rescore_tile_codes": 256,
     "rescore_write_block": 2048,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
@@ -100,7 +101,9 @@ segments' totals; 0: one prefix sum over the block); at 2 bits, µs at 0 / 32 / 
 16 384 positions 48.1 / 46.1 / 45.9 / 47.4, 65 536 71.3 / 63.5 / 63.2 / 65.8, 131 072 106 /
 100 / 99.2 / 103. And the re-ranking of a reuse's pool (``rescore``): programs per multiprocessor
 its rows are split into, the fewest tiles a program reads, the positions of a tile, and the
-pool entries the rewrite walks at a time.
+pool entries the rewrite walks at a time; the tile is larger when the pool's code rows are
+read (an H100, B16, a pool of 3072 for three quarters of the rows: 131 µs at 64 positions,
+110 at 128, 106 at 256, 179 at 512; the keys: 90 µs at 64).
 Module-level so that a benchmark can sweep them."""
 
 
@@ -1808,10 +1811,11 @@ def rescore_splits(rows: int, n_pool: int, block_e: int, device: torch.device) -
     return chunk, max(1, -(-n_pool // chunk))
 
 
-def _rescore_block_e(block_size: int) -> int:
-    n = TUNING["rescore_tile"]
+def _rescore_block_e(block_size: int, codes: bool = False) -> int:
+    key = "rescore_tile_codes" if codes else "rescore_tile"
+    n = TUNING[key]
     if n < 16 or n & (n - 1):
-        raise ValueError(f'TUNING["rescore_tile"] must be a power of two >= 16, got {n!r}')
+        raise ValueError(f'TUNING["{key}"] must be a power of two >= 16, got {n!r}')
     return max(1, n // block_size)
 
 
@@ -1850,7 +1854,7 @@ def rescore_scores_triton(
     out = torch.empty(b, h, n_pool, dtype=torch.float32, device=dev)
     if b * h == 0 or n_pool == 0:
         return out.fill_(float("-inf"))
-    block_e = _rescore_block_e(s)
+    block_e = _rescore_block_e(s, codes is not None)
     chunk, n_split = rescore_splits(b * h, n_pool, block_e, dev)
     block_g = _pow2(g, 16)
     scr = torch.empty(b * h * g, n_pool * s, dtype=torch.float32, device=dev)

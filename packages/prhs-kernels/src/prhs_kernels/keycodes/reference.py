@@ -42,7 +42,9 @@ def quantize_keys_reference(keys: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(x).all(-1, keepdim=True)
     x = torch.where(finite, x, 0.0)
     lo = x.amin(-1, keepdim=True)
-    step = (x.amax(-1, keepdim=True) - lo) / LEVELS
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which
+    # is not the IEEE quotient the Triton write computes (a last bit differs in a third of rows).
+    step = (x.amax(-1, keepdim=True) - lo) / torch.full_like(lo, LEVELS)
     safe = torch.where(step > 0, step, 1.0)
     code = torch.floor((x - lo) / safe + 0.5).clamp(0, LEVELS).to(torch.uint8)
     code = torch.where(step > 0, code, 0)
