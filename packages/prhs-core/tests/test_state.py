@@ -441,3 +441,17 @@ def test_selector_state_rejects_bad_geometry(kwargs: dict, error: type, fragment
     fields = {"pool": SequenceStatePool(2), "side": None, "row_stride": 4, **kwargs}
     with pytest.raises(error, match=fragment):
         SelectorState(**fields)
+
+
+def test_side_cache_tables_are_not_indexed_by_location():
+    from prhs_core.state import SideCache
+
+    side = SideCache(10, page_size=2)
+    t = side.add_table("centre", (3, 4), torch.float32, 1.5)
+    assert t.shape == (3, 4) and side["centre"].shape == (3, 4) and bool((t == 1.5).all())
+    assert "centre" in side.field_names and side.nbytes() == 3 * 4 * 4
+    side.add_field("rows", (2,), torch.int8)
+    assert side["rows"].shape == (11, 2)  # location fields keep their rows
+    assert side.initialized == set()
+    with pytest.raises(ValueError, match="already exists"):
+        side.add_table("centre", (1,))

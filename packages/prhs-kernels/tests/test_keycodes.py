@@ -194,3 +194,36 @@ def test_code_layout_is_the_dequantised_keys(make_kv, make_codes):
         want = dequantize_keys_reference(quantize_keys_reference(torch.nan_to_num(data.keys)), 8)
         for b, n in enumerate(data.lens):
             torch.testing.assert_close(got[b, 0, 0, :n], want[b, 0, :n, b])
+
+
+def test_codes_around_a_center_are_finer_where_keys_share_a_large_part():
+    """Keys with a large common part (a projection bias): coded around their mean, every
+    channel is within half of a much smaller step; decoded with the centre added back, the
+    estimates are within the bound; the centre is the mean of the finite keys written."""
+    from prhs_kernels.keycodes import key_center
+
+    gen = torch.Generator().manual_seed(11)
+    h, d = 2, 32
+    bias = torch.zeros(h, d)
+    bias[:, 3] = 40.0
+    keys = torch.randn(64, h, d, generator=gen) + bias
+    keys[5, 0, 0] = float("nan")  # left out of the mean
+    loc = torch.arange(64)
+    loc[7] = -1  # not written: left out too
+    center = key_center(loc, keys)
+    ok = torch.ones(64, dtype=torch.bool)
+    ok[5] = ok[7] = False
+    torch.testing.assert_close(center, keys[ok].mean(0))
+    plain, around = quantize_keys_reference(keys[ok]), quantize_keys_reference(keys[ok], center)
+    step_plain = plain[..., d // 2 :].contiguous().view(torch.float32)[..., 1]
+    step_around = around[..., d // 2 :].contiguous().view(torch.float32)[..., 1]
+    assert float(step_around.mean()) < float(step_plain.mean()) / 5
+    back = dequantize_keys_reference(around, d, center)
+    assert bool(((back - keys[ok]).abs() <= step_around.unsqueeze(-1) / 2 + 1e-5).all())
+    rows = torch.zeros(65, h, code_bytes(d), dtype=torch.uint8)
+    write_key_codes(rows, loc, keys, center=center)
+    assert torch.equal(rows[0], around[0])
+    with pytest.raises(ValueError, match="center must be float32"):
+        write_key_codes(rows, loc, keys, center=center.double())
+    with pytest.raises(ValueError, match="center must be float32"):
+        KeyCodes(rows, 64, center[:1])

@@ -210,7 +210,9 @@ class DecodeSimulator:
     key_grid:
         Put every key on its own 4-bit grid (:mod:`prhs_kernels.keycodes`): then a selector
         that scores code rows (CIS's ``scorer="int4"``) scores these keys exactly, to float
-        rounding, and the brute-force references of exact scoring hold for it too.
+        rounding, and the brute-force references of exact scoring hold for it too (a
+        selector's codes are then taken around 0: the tables it would set from the first keys
+        written are marked set).
     """
 
     def __init__(
@@ -254,6 +256,7 @@ class DecodeSimulator:
         self._gens = [torch.Generator().manual_seed(seed * 100_003 + 7 * i + 1) for i in ids]
         m = self.t_cap
         self.keys = [self._rows(num_kv_heads, m, head_dim) for _ in range(num_layers)]
+        self.key_grid = key_grid
         if key_grid:
             from prhs_kernels.keycodes import dequantize_keys_reference, quantize_keys_reference
 
@@ -389,6 +392,14 @@ class DecodeSimulator:
                 kv_dtype=self.dtype,
             )
         state.pool.create(self.live_slots)
+        if self.key_grid and state.side is not None:
+            # Tables set once from the first keys (CIS's code centre) stay at their fill (0),
+            # around which the keys lie on their grid.
+            state.side.initialized.update(
+                f"{name}/{layer}"
+                for name in state.side.field_names
+                for layer in range(self.spec.num_layers)
+            )
         self.write_kv(selector, state, torch.zeros_like(self.lengths), self.lengths, checked)
         plan = selector.make_plan(
             state, batch_size=self.batch_size, scaling=self.scaling, stats=stats, checked=checked

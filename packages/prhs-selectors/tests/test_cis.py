@@ -557,13 +557,19 @@ def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim):
     assert st.side is not None and sel.side_page_size() == 1 and not sel.state_per_location
     assert st.side["cis_codes"].dtype == torch.uint8
     assert tuple(st.side["cis_codes"].shape[1:]) == (2, 2, 16)  # D/2 + 8 bytes
-    # The codes follow the keys written, at their locations.
+    assert tuple(st.side["cis_center"].shape) == (2, 2, 16)  # one centre per layer, KV head
+    # The codes follow the keys written, at their locations, around the first keys' mean.
     sim = make_sim([40, 25], num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, seed=3)
     st = sim.attach(sel)
     codes = sel.key_codes(st, 1)
+    prompt = torch.cat([sim.keys[1][0, :, :40], sim.keys[1][1, :, :25]], 1).float()  # [Hkv, n, D]
+    torch.testing.assert_close(codes.center, prompt.mean(1))
+    center_before = codes.center.clone()
+    sim.advance()  # a later write leaves the centre as it was
+    assert torch.equal(sel.key_codes(st, 1).center, center_before)
     kv = sim.kv(1)
     loc = 0 * st.row_stride + 30  # row 0, position 30
-    back = dequantize_keys_reference(codes.rows[loc], 16)
+    back = dequantize_keys_reference(codes.rows[loc], 16, codes.center)
     key = sim.keys[1][0, :, 30].float()
     step = codes.rows[loc, :, 12:].contiguous().view(torch.float32)
     assert bool(((back - key).abs() <= step / 2 + 1e-6).all())

@@ -232,6 +232,9 @@ class SideCache(_Fields):
         self.num_locations = num_locations
         self.page_size = page_size
         self.num_pages = -(-num_locations // page_size)
+        self.initialized: set[str] = set()
+        """Host bookkeeping: names of tables (:meth:`add_table`) a selector has set once (e.g.
+        from the first keys written), so that it need not read the device to know."""
 
     @property
     def scratch_location(self) -> int:
@@ -256,6 +259,24 @@ class SideCache(_Fields):
             return self.add_field(name, shape, dtype, fill)
         finally:
             self.rows = rows
+
+    def add_table(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        fill: float | int | bool = 0,
+    ) -> torch.Tensor:
+        """Declare a tensor of exactly ``shape``, not indexed by location: metadata of the whole
+        pool that describes how its rows are stored (e.g. the centre its keys' codes are taken
+        around), set by a selector once and shared by every request."""
+        rows, self.rows = self.rows, 1
+        try:
+            table = self.add_field(name, shape, dtype, fill)[0]
+        finally:
+            self.rows = rows
+        self._fields[name] = table
+        return table
 
     def rows_of(self, locations: torch.Tensor) -> torch.Tensor:
         """Token rows of ``locations`` (``-1`` → the scratch row), int64."""

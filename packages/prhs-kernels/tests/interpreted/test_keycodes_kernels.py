@@ -32,10 +32,10 @@ def _interpret(monkeypatch):
     monkeypatch.delenv("PRHS_KERNELS", raising=False)
 
 
-@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize(("columns", "centred"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize(("h", "d"), [(1, 16), (3, 64), (8, 128)])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_write_matches_the_reference_byte_for_byte(h, d, dtype, columns):
+def test_write_matches_the_reference_byte_for_byte(h, d, dtype, columns, centred):
     gen = torch.Generator().manual_seed(h * d)
     n, n_loc = 6, 20
     keys = (torch.randn(n, h, 5, d, generator=gen) * 3).to(dtype)
@@ -50,11 +50,13 @@ def test_write_matches_the_reference_byte_for_byte(h, d, dtype, columns):
         loc = torch.tensor([3, 0, 17, 9, 12, -1])
     rows0 = torch.randint(0, 256, (n_loc + 1, 2, h, code_bytes(d)), generator=gen,
                           dtype=torch.uint8)  # fmt: skip
+    center = torch.randn(h, d, generator=gen) * 2 if centred else None
     out = {}
     for path in ("torch", PATH):
         rows = rows0.clone()
         count = torch.zeros(1, dtype=torch.int64)
-        write_key_codes(rows[:, 1], loc, keys, columns=cols, nonfinite=count, path=path)
+        write_key_codes(rows[:, 1], loc, keys, columns=cols, nonfinite=count, center=center,
+                        path=path)  # fmt: skip
         out[path] = (rows, count)
     (want, wc), (got, gc) = out["torch"], out[PATH]
     assert torch.equal(got[:-1], want[:-1])  # the last row is scratch

@@ -73,7 +73,7 @@ from prhs_kernels.cis import (
 )
 from prhs_kernels.compose import dilate_indices, union_indices
 from prhs_kernels.graphs import run_if
-from prhs_kernels.keycodes import KeyCodes, code_bytes, write_key_codes
+from prhs_kernels.keycodes import KeyCodes, code_bytes, key_center, write_key_codes
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
 from prhs_kernels.topk import topk_indices
@@ -223,7 +223,8 @@ class CISConfig(SelectorConfig):
     scorer:
         Paper mode: what a retrieval and a re-ranking (``rescore``) score, ``"int4"`` (a side
         cache of 4-bit keys written at every K/V write, :mod:`prhs_kernels.keycodes`:
-        ``D/2 + 8`` bytes a key, 28 % of a bf16 key at ``D = 128``) or ``"exact"`` (the keys).
+        ``D/2 + 8`` bytes a key, 28 % of a bf16 key at ``D = 128``, coded around the mean of
+        the first keys each layer is given) or ``"exact"`` (the keys).
         The attention always reads the exact keys and values of what is selected. ``None``
         (the default): ``"int4"`` in paper mode, ``"exact"`` in certified mode (whose
         certificate needs exact logits).
@@ -488,7 +489,8 @@ class CIS(BaseSelector):
         if not self.config.key_codes:
             return None
         assert state.side is not None
-        return KeyCodes(state.side["cis_codes"][:, layer], state.row_stride)
+        side = state.side
+        return KeyCodes(side["cis_codes"][:, layer], state.row_stride, side["cis_center"][layer])
 
     def counts_nonfinite_keys(self) -> bool:
         # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
@@ -508,9 +510,16 @@ class CIS(BaseSelector):
         assert state.side is not None
         path = self.kernel_path(key.device, key.dtype)
         if self.config.key_codes:
+            side = state.side
+            center = side["cis_center"][layer]
+            if f"cis_center/{layer}" not in side.initialized:
+                # The first keys written to the layer (a prompt's) fix the centre its codes are
+                # taken around, for every later write and request (host bookkeeping: no read).
+                center.copy_(key_center(locations, key, columns=columns))
+                side.initialized.add(f"cis_center/{layer}")
             write_key_codes(
-                state.side["cis_codes"][:, layer], locations, key, columns=columns,
-                finite=finite, nonfinite=state.nonfinite if finite is None else None, path=path,
+                side["cis_codes"][:, layer], locations, key, columns=columns, finite=finite,
+                nonfinite=state.nonfinite if finite is None else None, center=center, path=path,
             )  # fmt: skip
             return
         fold_page_bounds(
@@ -545,8 +554,11 @@ class CIS(BaseSelector):
         else:  # cis_compose writes it; paper mode never reads it
             pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         if self.config.key_codes:
+            # One code row per (location, layer, KV head), and per (layer, KV head) the centre
+            # the rows are coded around (set from the first keys written).
             assert state.side is not None
             state.side.add_field("cis_codes", (n_l, h, code_bytes(d)), torch.uint8, 0)
+            state.side.add_table("cis_center", (n_l, h, d), torch.float32, 0.0)
         if self.config.page_certified:
             # Per page of the side cache: the keys' box, and the anchor's masses outside /
             # inside its set per query head (log, float32 rounded outward).

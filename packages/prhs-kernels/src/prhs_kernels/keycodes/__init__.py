@@ -3,7 +3,8 @@ re-rankings score instead of the keys.
 
 A key ``[D]`` becomes a code row of ``D/2 + 8`` bytes (:mod:`.reference` states the format): 72
 bytes for ``D = 128`` against a bf16 key's 256 (28 %), each channel within half a step of the
-key, no calibration, no per-request state. :class:`KeyCodes` names one layer's rows as a scorer
+key, coded around a centre per layer and KV head (the mean of the first keys written:
+:func:`key_center`), no per-request state. :class:`KeyCodes` names one layer's rows as a scorer
 reads them; :func:`write_key_codes` writes a step's keys into them (one launch on a Triton path,
 non-finite keys found and counted there); :func:`code_key_layout` is the cache as its
 dequantised keys, the reference every code scorer is tested against; :func:`code_logits` scores
@@ -37,6 +38,7 @@ from prhs_kernels.keycodes.reference import (
     code_bytes,
     code_key_layout_reference,
     dequantize_keys_reference,
+    key_center_reference,
     quantize_keys_reference,
     write_key_codes_reference,
 )
@@ -52,6 +54,8 @@ __all__ = [
     "code_logits",
     "codes_path",
     "dequantize_keys_reference",
+    "key_center",
+    "key_center_reference",
     "quantize_keys_reference",
     "write_key_codes",
     "write_key_codes_reference",
@@ -70,10 +74,15 @@ class KeyCodes:
         the last row is scratch), a strided view such as ``side["cis_codes"][:, layer]``.
     row_stride:
         Contiguous layouts: locations per batch row.
+    center:
+        ``[Hkv, D]`` float32, the centre the rows were coded around (``None``: 0). The scorers
+        do not read it (it shifts every logit of a query head by ``q · c``, which no
+        probability or ranking sees); :func:`code_key_layout` adds it back.
     """
 
     rows: torch.Tensor
     row_stride: int
+    center: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rows, torch.Tensor) or self.rows.dtype != torch.uint8:
@@ -86,6 +95,14 @@ class KeyCodes:
         if self.rows.stride(-1) != 1:
             raise ValueError("rows must have a contiguous last dim")
         check_int("row_stride", self.row_stride, minimum=1)
+        if self.center is not None:
+            check_float_tensor("center", self.center, ndim=2)
+            h, d = self.rows.shape[1], 2 * (self.rows.shape[-1] - 8)
+            if tuple(self.center.shape) != (h, d) or self.center.dtype != torch.float32:
+                raise ValueError(
+                    f"center must be float32 [Hkv={h}, D={d}], got {self.center.dtype} "
+                    f"{shape_str(self.center)}"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -128,10 +145,12 @@ def write_key_codes(
     columns: torch.Tensor | None = None,
     finite: torch.Tensor | None = None,
     nonfinite: torch.Tensor | None = None,
+    center: torch.Tensor | None = None,
     path: str = "torch",
 ) -> None:
     """Write the code rows of the keys a host wrote into ``rows [R, Hkv, D/2 + 8]`` (uint8, one
-    layer's field, written in place; a strided view is fine; the last row is scratch).
+    layer's field, written in place; a strided view is fine; the last row is scratch), coded
+    around ``center [Hkv, D]`` (float32; ``None``: 0).
 
     ``locations [N]`` (any integer dtype, ``-1``: none) are the KV locations written, distinct.
     ``key`` is ``[N, Hkv, D]`` (row ``i`` written at ``locations[i]``) or, with ``columns
@@ -165,15 +184,40 @@ def write_key_codes(
         check_device(("key", "finite"), (key, finite))
     if nonfinite is not None:
         check_counter("nonfinite", nonfinite, key.device, " (SelectorState.nonfinite)")
+    if center is not None:
+        check_float_tensor("center", center, ndim=2)
+        if tuple(center.shape) != (h, d) or center.dtype != torch.float32:
+            raise ValueError(
+                f"center must be float32 [Hkv={h}, D={d}], got {center.dtype} {shape_str(center)}"
+            )
+        check_device(("key", "center"), (key, center))
     check_device(("rows", "locations", "key"), (rows, locations, key))
     if path.startswith("triton") and finite is None:
         from prhs_kernels.keycodes.triton import write_key_codes_triton
 
         announce("write_key_codes", path, key.device)
-        write_key_codes_triton(rows, locations, key, columns, nonfinite)
+        write_key_codes_triton(rows, locations, key, columns, nonfinite, center)
         return
     announce("write_key_codes", "torch", key.device)
-    write_key_codes_reference(rows, locations, key, columns, finite, nonfinite)
+    write_key_codes_reference(rows, locations, key, columns, finite, nonfinite, center)
+
+
+def key_center(
+    locations: torch.Tensor, key: torch.Tensor, *, columns: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[Hkv, D]`` float32: the mean of the finite keys of a write (arguments as
+    :func:`write_key_codes`'), 0 when it holds none: the centre a pool's codes are taken
+    around, set once from its first write (a prompt's keys). Torch ops, no host read."""
+    check_index_tensor("locations", locations, ndim=1)
+    check_float_tensor("key", key, ndim=3 if columns is None else 4)
+    if key.shape[0] != locations.shape[0]:
+        raise ValueError(
+            f"key must hold one row per location ({locations.shape[0]}), got {shape_str(key)}"
+        )
+    if columns is not None:
+        check_index_tensor("columns", columns, ndim=1)
+        check_shape("columns", columns, (locations.shape[0],), "[N]")
+    return key_center_reference(locations, key, columns)
 
 
 def code_key_layout(kv: KVLayout, codes: KeyCodes) -> KVLayout:
@@ -181,7 +225,7 @@ def code_key_layout(kv: KVLayout, codes: KeyCodes) -> KVLayout:
     :func:`.reference.code_key_layout_reference`. Scoring this layout with a float32 query is
     what every code scorer computes; the torch paths of the scoring ops do exactly that."""
     check_key_codes(kv, codes)
-    return code_key_layout_reference(kv, codes.rows, codes.row_stride)
+    return code_key_layout_reference(kv, codes.rows, codes.row_stride, codes.center)
 
 
 def code_logits(query: torch.Tensor, kv: KVLayout, codes: KeyCodes, scaling: float) -> torch.Tensor:

@@ -1,5 +1,11 @@
 """Torch reference of compressed keys: 4-bit codes per key with the key's own minimum and step.
 
+A key is coded around a centre ``c`` (one vector per layer and KV head for the whole pool, the
+mean of the first keys written; 0 when none is given): ``k = k − c`` below. Any fixed centre
+gives correct codes, since ``q · c`` is the same for every key of a query head and no score
+depends on it; a good one makes them finer (keys share a large common part, e.g. a projection
+bias, which would otherwise set every key's range).
+
 A key ``k [D]`` is stored as ``D/2 + 8`` bytes (one row of a side-cache field, at the key's KV
 location): ``D`` 4-bit codes ``c_j = ⌊(k_j − min_j k) / step + ½⌋``, ``step = (max k − min k) /
 15``, two to a byte (byte ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in
@@ -7,7 +13,7 @@ its high one), then ``min`` and ``step`` as float32. The dequantised key is ``k�
 step·c_j``, so ``|k_j − k̂_j| ≤ step/2`` for every channel, and a query's estimated logit is
 ``scaling · (min · Σ_j q_j + step · Σ_j q_j c_j)``. No centroid, rotation or calibration: a row
 is a function of the key alone, so keys shared between requests (a prefix cache) share their
-codes. A non-finite key is stored as zeros (its estimate is 0, not NaN).
+codes (given the same centre). A non-finite key is stored as zeros (its estimate is 0, not NaN).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ __all__ = [
     "code_bytes",
     "code_key_layout_reference",
     "dequantize_keys_reference",
+    "key_center_reference",
     "quantize_keys_reference",
     "write_key_codes_reference",
 ]
@@ -34,12 +41,15 @@ def code_bytes(head_dim: int) -> int:
     return head_dim // 2 + 8
 
 
-def quantize_keys_reference(keys: torch.Tensor) -> torch.Tensor:
-    """``[..., D/2 + 8]`` uint8 code rows of ``keys [..., D]`` (``D`` even). A key whose values
-    are not all finite gets a row of zeros."""
+def quantize_keys_reference(keys: torch.Tensor, center: torch.Tensor | None = None) -> torch.Tensor:
+    """``[..., D/2 + 8]`` uint8 code rows of ``keys [..., D]`` (``D`` even) around ``center``
+    (float32, broadcast to the keys; ``None``: 0). A key whose values are not all finite gets a
+    row of zeros."""
     d = keys.shape[-1]
     x = keys.float()
     finite = torch.isfinite(x).all(-1, keepdim=True)
+    if center is not None:
+        x = x - center.float()
     x = torch.where(finite, x, 0.0)
     lo = x.amin(-1, keepdim=True)
     # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which
@@ -53,13 +63,17 @@ def quantize_keys_reference(keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed, params], -1)
 
 
-def dequantize_keys_reference(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``[..., D]`` float32 keys ``min + step · code`` of code ``rows [..., D/2 + 8]`` (uint8)."""
+def dequantize_keys_reference(
+    rows: torch.Tensor, head_dim: int, center: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[..., D]`` float32 keys ``min + step · code`` (plus ``center``, broadcast, when given)
+    of code ``rows [..., D/2 + 8]`` (uint8)."""
     dh = head_dim // 2
     packed = rows[..., :dh]
     params = rows[..., dh : dh + 8].contiguous().view(torch.float32)  # [..., 2]
     code = torch.cat([packed & 15, packed >> 4], -1).float()
-    return params[..., :1] + params[..., 1:2] * code
+    out = params[..., :1] + params[..., 1:2] * code
+    return out if center is None else out + center.float()
 
 
 def write_key_codes_reference(
@@ -69,12 +83,14 @@ def write_key_codes_reference(
     columns: torch.Tensor | None,
     finite: torch.Tensor | None,
     nonfinite: torch.Tensor | None,
+    center: torch.Tensor | None = None,
 ) -> None:
     """Write the code rows of the keys a host wrote into one layer's field ``codes [R, Hkv,
     D/2 + 8]`` (``R − 1`` the scratch row) at ``locations [N]`` (``-1``: none). ``key [N, Hkv,
     D]``, or a cache ``[N, Hkv, T, D]`` read at ``columns [N]`` (a column outside ``[0, T)``:
     not written). ``finite [N]``: which keys are finite (``None``: found here, and the written
-    ones that are not counted into ``nonfinite``). A non-finite key's row is zeros."""
+    ones that are not counted into ``nonfinite``). A non-finite key's row is zeros. ``center
+    [Hkv, D]`` float32: the keys are coded around it."""
     n = locations.shape[0]
     loc = locations.long()
     if columns is not None:
@@ -87,16 +103,41 @@ def write_key_codes_reference(
         finite = torch.isfinite(key).flatten(1).all(-1)
         if nonfinite is not None:
             nonfinite.add_((~finite & (loc >= 0)).sum())
-    rows = quantize_keys_reference(key)
+    rows = quantize_keys_reference(key, center)
     rows = torch.where(finite.view(-1, 1, 1), rows, 0)
     scratch = codes.shape[0] - 1
     at = torch.where(loc >= 0, loc, scratch)
     codes[at] = rows.to(codes.device)
 
 
-def code_key_layout_reference(kv: KVLayout, codes: torch.Tensor, row_stride: int) -> KVLayout:
-    """The cache as its dequantised keys, float32: a layout whose keys are ``k̂`` (and whose
-    values are unused copies of them), with the lengths (and table) of ``kv``. Scoring it is
+def key_center_reference(
+    locations: torch.Tensor,
+    key: torch.Tensor,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[Hkv, D]`` float32: the mean of the finite keys a write holds (the rows written at a
+    location, read at their columns; a key with a non-finite value is left out), 0 when there
+    is none -- the centre a pool's codes are taken around, set from its first write."""
+    n = locations.shape[0]
+    ok = locations >= 0
+    if columns is not None:
+        t = key.shape[2]
+        ok = ok & (columns >= 0) & (columns < t)
+        col = torch.where(ok, columns, 0).long()
+        key = key[torch.arange(n, device=key.device), :, col]
+    x = key.float()
+    ok = ok & torch.isfinite(x).flatten(1).all(-1)
+    x = torch.where(ok.view(-1, 1, 1), x, 0.0)
+    return x.sum(0) / ok.sum().clamp(min=1)
+
+
+def code_key_layout_reference(
+    kv: KVLayout, codes: torch.Tensor, row_stride: int, center: torch.Tensor | None = None
+) -> KVLayout:
+    """The cache as its dequantised keys, float32: a layout whose keys are ``k̂`` (plus
+    ``center [Hkv, D]``; without it, each query head's logits are all off by ``q · c``, which no
+    probability sees), whose values are unused copies of them, with the lengths (and table) of
+    ``kv``. Scoring it is
     scoring the codes, so every exact scorer serves as the codes' reference. Contiguous:
     position ``t`` of row ``b`` reads location ``b · row_stride + t`` (no left padding);
     paged: the token's slot."""
@@ -105,10 +146,10 @@ def code_key_layout_reference(kv: KVLayout, codes: torch.Tensor, row_stride: int
     if isinstance(kv, ContiguousKV):
         b, t = kv.batch_size, kv.max_len
         rows = codes[: b * row_stride].view(b, row_stride, h, -1)[:, :t]
-        k = dequantize_keys_reference(rows, d).transpose(1, 2)  # [B, Hkv, T, D]
+        k = dequantize_keys_reference(rows, d, center).transpose(1, 2)  # [B, Hkv, T, D]
         return ContiguousKV(k, k, kv.seq_lens)
     assert isinstance(kv, PagedKV)
-    k = dequantize_keys_reference(codes[: kv.num_slots], d)
+    k = dequantize_keys_reference(codes[: kv.num_slots], d, center)
     return PagedKV(
         k, k, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, kv.page_size, kv.max_len_hint
     )

@@ -65,6 +65,7 @@ def _write_kernel(
     KEY,
     COL,
     NONFINITE,
+    CENTER,
     n_cols,
     stride_kn,
     stride_kh,
@@ -78,6 +79,7 @@ def _write_kernel(
     BLOCK_DH: tl.constexpr,
     HAS_COL: tl.constexpr,
     COUNT: tl.constexpr,
+    HAS_CENTER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
@@ -103,6 +105,10 @@ def _write_kernel(
     if COUNT:  # only the (rare) non-finite rows touch the counter
         out = (loc >= 0) & ~fin
         tl.atomic_add(NONFINITE, out.to(tl.int64), mask=out)
+    if HAS_CENTER:  # [Hkv, D] float32, contiguous
+        cen = CENTER + offs_h[:, None] * D + offs_c[None, :]
+        x_lo = x_lo - tl.load(cen, mask=m2, other=0.0)
+        x_hi = x_hi - tl.load(cen + DH, mask=m2, other=0.0)
     x_lo = tl.where(fin, x_lo, 0.0)
     x_hi = tl.where(fin, x_hi, 0.0)
     big = float("inf")
@@ -143,6 +149,7 @@ def write_key_codes_triton(
     key: torch.Tensor,
     columns: torch.Tensor | None,
     nonfinite: torch.Tensor | None,
+    center: torch.Tensor | None = None,
 ) -> None:
     """One launch, a program per written row (arguments checked by
     :func:`prhs_kernels.keycodes.write_key_codes`)."""
@@ -159,9 +166,10 @@ def write_key_codes_triton(
     kernel = _kernels(interpreting())
     kernel[(n,)](
         codes, locations, key, columns if columns is not None else locations,
-        nonfinite if nonfinite is not None else locations, n_cols, *strides,
+        nonfinite if nonfinite is not None else locations,
+        center.contiguous() if center is not None else locations, n_cols, *strides,
         codes.stride(0), codes.stride(1), codes.shape[0] - 1,
         HKV=h, D=d, BLOCK_H=_pow2(h, 1), BLOCK_DH=_pow2(d // 2, 16),
-        HAS_COL=columns is not None, COUNT=nonfinite is not None,
+        HAS_COL=columns is not None, COUNT=nonfinite is not None, HAS_CENTER=center is not None,
         **pdl_args(key.device, "score"), num_warps=4,
     )  # fmt: skip
