@@ -1078,8 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
         "--check-selectors",
         default=None,
         help="check: only these selectors' Triton-vs-torch step checks (comma separated names "
-        "of the check list: cis, cis-exact, cis-1, quest, double_sparsity, rabitq, compkv, "
-        "louver), then the kernel checks",
+        "of the check list: cis, cis-1, cis-int4, cis-int4-8, quest, double_sparsity, rabitq, "
+        "compkv, louver), then the kernel checks",
     )
     p.add_argument(
         "--cis",
@@ -1108,7 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = {
             "cis": ("cis", {"budget": 256, "block_size": 8}),
             "cis-1": ("cis", {"budget": 256, "block_size": 1}),
-            "cis-exact": ("cis", {"budget": 256, "block_size": 1, "scorer": "exact"}),
+            "cis-int4": ("cis", {"budget": 256, "block_size": 1, "scorer": "int4"}),
+            "cis-int4-8": ("cis", {"budget": 256, "block_size": 8, "scorer": "int4"}),
             "quest": ("quest", {"budget": 256, "dense_layers": 0}),
             "double_sparsity": (
                 "double_sparsity", {"budget": 256, "channels": ds.label_table(2)}

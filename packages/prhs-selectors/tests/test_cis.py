@@ -538,21 +538,21 @@ def test_certified_state_layouts():
     assert st.side is None and glob.side_page_size() == 1
     assert tuple(st.pool["anchor_log_delta"].shape[1:]) == (2, 2, 2)
     assert not glob.state_per_location
-    paper = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
+    paper = CIS(CISConfig(budget=8, tau=0.8))
     assert paper.init_state(spec, capacity=1, max_seq_len=100).side is None
 
 
 def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim):
-    """``scorer="int4"`` (paper mode's default): a side cache of one ``D/2 + 8``-byte code row
-    per (location, layer, KV head), a function of the key alone (prefix sharing is safe), and a
+    """``scorer="int4"``: a side cache of one ``D/2 + 8``-byte code row per (location, layer,
+    KV head), a function of the key and the layer's centre (prefix sharing is safe), and a
     retrieval or re-ranking counted at those bytes, not the keys'."""
     from prhs_core.config import AttentionSpec
     from prhs_kernels.keycodes import dequantize_keys_reference
 
-    assert CISConfig().key_codes and not CISConfig(delta_max=0.1).key_codes
-    assert not CISConfig(scorer="exact").key_codes
+    assert not CISConfig().key_codes and not CISConfig(delta_max=0.1).key_codes  # exact
+    assert CISConfig(scorer="int4").key_codes
     spec = AttentionSpec(2, 4, 2, 16)
-    sel = CIS(CISConfig(budget=8, tau=0.8))
+    sel = CIS(CISConfig(budget=8, tau=0.8, scorer="int4"))
     st = sel.init_state(spec, capacity=2, max_seq_len=100)
     assert st.side is not None and sel.side_page_size() == 1 and not sel.state_per_location
     assert st.side["cis_codes"].dtype == torch.uint8

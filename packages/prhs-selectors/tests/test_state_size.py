@@ -41,12 +41,13 @@ def test_quest_page_bounds_are_at_most_an_eighth_of_the_k_pool() -> None:
     ("name", "fields"),
     [
         ("cis", {}),
+        ("cis", {"scorer": "int4"}),
         ("cis", {"delta_max": 0.1}),
         ("cis", {"delta_max": 0.1, "certificate": "global"}),
         ("prhs", {}),
         ("prhs", {"delta_max": 0.1}),
     ],
-    ids=["cis", "cis-certified", "cis-certified-global", "prhs", "prhs-certified"],
+    ids=["cis", "cis-int4", "cis-certified", "cis-certified-global", "prhs", "prhs-certified"],
 )
 def test_cis_state_is_at_most_one_mib_per_request(name, fields) -> None:
     sel = selectors.create(name, **fields)
