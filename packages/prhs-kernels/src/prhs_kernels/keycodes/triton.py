@@ -4,8 +4,9 @@ scoring kernels inline.
 - ``_write_kernel``, a program per written row: reads the row's ``[Hkv, D]`` key (in place in a
   cache with ``columns``), finds whether it is finite (counting it when not), and writes each
   head's code row -- ``D/2`` bytes of nibbles, then the float32 minimum and step.
-- :func:`code_scores`, a ``triton.jit`` helper inlined into the retrieval's logits pass
-  (:mod:`prhs_kernels.score.triton`) and CIS's re-ranking (:mod:`prhs_kernels.cis.triton`):
+- :func:`code_query` and :func:`code_scores`, ``triton.jit`` helpers inlined into the
+  retrieval's logits pass (:mod:`prhs_kernels.score.triton`) and CIS's re-ranking
+  (:mod:`prhs_kernels.cis.triton`):
   ``q · k̂`` of a tile of keys from their code rows, as two ``tl.dot`` of the query halves with
   the low and high nibbles (integers 0..15, exact in half precision) and one multiply-add with
   each key's minimum and step.
@@ -23,7 +24,7 @@ import triton.language as tl
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["code_scores", "row_alignment", "write_key_codes_triton"]
+__all__ = ["code_query", "code_scores", "row_alignment", "write_key_codes_triton"]
 
 
 def row_alignment(rows: torch.Tensor) -> int:
@@ -31,6 +32,21 @@ def row_alignment(rows: torch.Tensor) -> int:
     Hkv, D/2 + 8]`` (uint8, a strided view) is a multiple of: the scorers' load width."""
     align = math.gcd(rows.stride(0), rows.stride(1), rows.data_ptr() % 16 or 16, 16)
     return 1 << (align.bit_length() - 1)
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def code_query(q_base, g_ok, D: tl.constexpr, BLOCK_DH: tl.constexpr):
+    """What :func:`code_scores` takes of a query group: ``(q_lo, q_hi, q_sum, offs_c, c_ok)``,
+    its channels ``[0, D/2)`` and ``[D/2, D)`` (``[G, BLOCK_DH]``, read at ``q_base [G, 1]``,
+    the rows' pointers; rows not ``g_ok`` read 0), the float32 sum of each row's channels, and
+    the byte lanes with which are below ``D/2``."""
+    offs_c = tl.arange(0, BLOCK_DH)
+    c_ok = offs_c < D // 2
+    mask = g_ok[:, None] & c_ok[None, :]
+    q_lo = tl.load(q_base + offs_c[None, :], mask=mask, other=0.0)
+    q_hi = tl.load(q_base + D // 2 + offs_c[None, :], mask=mask, other=0.0)
+    q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
+    return q_lo, q_hi, q_sum, offs_c, c_ok
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)

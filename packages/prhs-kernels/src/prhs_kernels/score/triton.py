@@ -33,7 +33,7 @@ import triton.language as tl
 
 from prhs_core.layout import KVLayout
 from prhs_kernels.keycodes import KeyCodes
-from prhs_kernels.keycodes.triton import code_scores, row_alignment
+from prhs_kernels.keycodes.triton import code_query, code_scores, row_alignment
 from prhs_kernels.paths import interpreting
 from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
@@ -139,13 +139,8 @@ def _logits_kernel(
         if UPCAST:
             q = q.to(tl.float32)
         if CODES:  # K holds code rows (prhs_kernels.keycodes): the query's two halves
-            offs_c = tl.arange(0, BLOCK_DH)
-            c_ok = offs_c < D // 2
             q_base = Q + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
-            qc_mask = g_ok[:, None] & c_ok[None, :]
-            q_lo = tl.load(q_base + offs_c[None, :], mask=qc_mask, other=0.0)
-            q_hi = tl.load(q_base + D // 2 + offs_c[None, :], mask=qc_mask, other=0.0)
-            q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
+            q_lo, q_hi, q_sum, offs_c, c_ok = code_query(q_base, g_ok, D, BLOCK_DH)
         if PAGED:
             req = tl.load(REQIDX + b).to(tl.int64)
         if HAS_START:
