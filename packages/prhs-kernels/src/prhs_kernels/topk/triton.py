@@ -204,9 +204,13 @@ def _seed_edges_kernel(
     skey = order_key(tl.load(base + sid, mask=s_in, other=float("-inf")))
     s_ok = s_in & (skey > order_key(tl.full([BLOCK_S], float("-inf"), tl.float32)))
     active = tl.load(ACTIVE + row) != 0
-    good = active & (tl.sum(s_ok.to(tl.int32), 0) >= k)
-    low = kth_largest_key(tl.where(s_ok, skey, -2147483648), s_ok, k, BLOCK_S, RADIX_BITS,
-                          RADIX)  # fmt: skip
+    n_ok = tl.sum(s_ok.to(tl.int32), 0)
+    good = active & (n_ok >= k)
+    if n_ok == k:  # a seed of exactly k (an anchor pool, full): its k-th best is its least
+        low = tl.min(tl.where(s_ok, skey, 2147483647), 0)
+    else:
+        low = kth_largest_key(tl.where(s_ok, skey, -2147483648), s_ok, k, BLOCK_S, RADIX_BITS,
+                              RADIX)  # fmt: skip
     top = tl.max(tl.where(s_ok, skey, -2147483648), 0)
     out = EDGE + row.to(tl.int64) * (E + 1)
     tl.store(out, top)
