@@ -2,7 +2,9 @@
 
 - :mod:`prhs_kernels.kv` -- KV locations and gathers through either layout;
 - :mod:`prhs_kernels.score` -- exact scoring of every cached key (retrieval);
-- :mod:`prhs_kernels.topk` -- top-k / top-p into fixed-width index lists;
+- :mod:`prhs_kernels.keycodes` -- 4-bit key codes a retrieval can score instead of the keys;
+- :mod:`prhs_kernels.topk` -- top-k / top-p into fixed-width index lists, and a seeded top-k's
+  first passes;
 - :mod:`prhs_kernels.blocks` -- block reductions;
 - :mod:`prhs_kernels.compose` -- windows, dilation and union into a selection's buffers;
 - :mod:`prhs_kernels.sparse_decode` -- attention over a selection;
