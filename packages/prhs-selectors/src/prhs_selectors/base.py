@@ -42,9 +42,9 @@ from prhs_core.state import SelectorState, SequenceStatePool, SideCache
 from prhs_kernels.blocks import block_reduce
 from prhs_kernels.cis.reference import block_eligible_reference, window_block_mask_reference
 from prhs_kernels.compose import union_indices, window_indices, window_widths
+from prhs_kernels.kv.reference import written_rows
 from prhs_kernels.paths import kernel_path
 from prhs_kernels.quest import fold_page_bounds as fold_page_bounds_kernel
-from prhs_kernels.quest.reference import written_rows
 from prhs_kernels.score import check_query, nonfinite_rows, retrieval_probs
 from prhs_kernels.topk import topk_indices
 

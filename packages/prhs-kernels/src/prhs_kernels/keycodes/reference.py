@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from prhs_core.layout import ContiguousKV, KVLayout, PagedKV
+from prhs_kernels.kv.reference import written_rows
 
 __all__ = [
     "LEVELS",
@@ -91,14 +92,8 @@ def write_key_codes_reference(
     not written). ``finite [N]``: which keys are finite (``None``: found here, and the written
     ones that are not counted into ``nonfinite``). A non-finite key's row is zeros. ``center
     [Hkv, D]`` float32: the keys are coded around it."""
-    n = locations.shape[0]
-    loc = locations.long()
-    if columns is not None:
-        t = key.shape[2]
-        ok = (columns >= 0) & (columns < t)
-        col = torch.where(ok, columns, 0).long()
-        key = key[torch.arange(n, device=key.device), :, col]  # [N, Hkv, D]
-        loc = torch.where(ok, loc, -1)
+    written, key = written_rows(locations, key, columns)  # key: [N, Hkv, D]
+    loc = torch.where(written, locations.long(), -1)
     if finite is None:
         finite = torch.isfinite(key).flatten(1).all(-1)
         if nonfinite is not None:
@@ -118,13 +113,7 @@ def key_center_reference(
     """``[Hkv, D]`` float32: the mean of the finite keys a write holds (the rows written at a
     location, read at their columns; a key with a non-finite value is left out), 0 when there
     is none -- the centre a pool's codes are taken around, set from its first write."""
-    n = locations.shape[0]
-    ok = locations >= 0
-    if columns is not None:
-        t = key.shape[2]
-        ok = ok & (columns >= 0) & (columns < t)
-        col = torch.where(ok, columns, 0).long()
-        key = key[torch.arange(n, device=key.device), :, col]
+    ok, key = written_rows(locations, key, columns)
     x = key.float()
     ok = ok & torch.isfinite(x).flatten(1).all(-1)
     x = torch.where(ok.view(-1, 1, 1), x, 0.0)

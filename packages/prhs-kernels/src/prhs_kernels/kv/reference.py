@@ -14,6 +14,7 @@ __all__ = [
     "row_bounds_reference",
     "token_locations_reference",
     "valid_positions",
+    "written_rows",
 ]
 
 
@@ -82,3 +83,19 @@ def row_bounds_reference(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     # kernel); a row with none: 0.
     start = valid.view(torch.uint8).argmax(-1).to(torch.int32)
     return start, lens
+
+
+def written_rows(
+    locations: torch.Tensor, key: torch.Tensor, columns: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(written [N] bool, rows [N, Hkv, D])``: which of a write's rows land somewhere, and
+    their keys. A row is written where its location is not ``-1`` and, with ``columns`` (``key``
+    then ``[N, Hkv, T, D]``, row ``i``'s key at column ``columns[i]``), its column lies in
+    ``[0, T)``; the keys of the other rows are whatever the key holds (never used)."""
+    written = locations >= 0
+    if columns is None:
+        return written, key
+    t = key.shape[2]
+    written = written & (columns >= 0) & (columns < t)
+    col = columns.long().clamp(0, t - 1)
+    return written, key[torch.arange(key.shape[0], device=key.device), :, col]

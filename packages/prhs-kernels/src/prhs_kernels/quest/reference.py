@@ -13,6 +13,7 @@ import torch
 from prhs_kernels.cis.reference import block_eligible_reference
 from prhs_kernels.compose import union_indices
 from prhs_kernels.compose.reference import window_indices_reference
+from prhs_kernels.kv.reference import written_rows
 from prhs_kernels.score.reference import nonfinite_rows
 from prhs_kernels.topk import topk_indices
 
@@ -120,22 +121,6 @@ def quest_select_reference(
     sink, local = window_indices_reference(seq_lens, n_sink, n_local, page_size)
     n_blocks = (seq_lens + (page_size - 1)) // page_size
     union_indices([sink, top, local], n_blocks, out_indices, out_counts)
-
-
-def written_rows(
-    locations: torch.Tensor, key: torch.Tensor, columns: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(written [N] bool, rows [N, Hkv, D])``: which of a write's rows land somewhere, and
-    their keys. A row is written where its location is not ``-1`` and, with ``columns`` (``key``
-    then ``[N, Hkv, T, D]``, row ``i``'s key at column ``columns[i]``), its column lies in
-    ``[0, T)``; the keys of the other rows are whatever the key holds (never used)."""
-    written = locations >= 0
-    if columns is None:
-        return written, key
-    t = key.shape[2]
-    written = written & (columns >= 0) & (columns < t)
-    col = columns.long().clamp(0, t - 1)
-    return written, key[torch.arange(key.shape[0], device=key.device), :, col]
 
 
 def fold_page_bounds_reference(
