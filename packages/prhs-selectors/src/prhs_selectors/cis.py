@@ -228,8 +228,8 @@ class CISConfig(SelectorConfig):
         The attention always reads the exact keys and values of what is selected. ``None``
         (the default) is ``"exact"``: ``"int4"`` reads 2.7x fewer bytes a step at 4k tokens
         with the same quality (see the CIS docs page), but its Triton scorers are not yet
-        faster than the exact ones (they read 3.6x fewer bytes and take as long: the
-        unpacking of the codes is the likely cost), and its side cache takes 14 % of the KV
+        faster than the exact ones (they read 3.6x fewer bytes and take as long: their tile
+        loads are not pipelined, so latency bounds them), and its side cache takes 14 % of the KV
         pool's memory. Certified mode refuses ``"int4"`` (its certificate needs exact logits).
     """
 
