@@ -517,6 +517,7 @@ def tune_codes(out: Any, b: int, t: int, hkv: int) -> None:
     """The retrieval's logits pass reading code rows (``retrieval_probs`` with ``codes``; a
     quarter of the rows retrieving): its launch parameters swept, and the same pass on the keys
     for comparison."""
+    from prhs_kernels.keycodes import code_bytes
     from prhs_kernels.score import retrieval_probs
     from prhs_kernels.score import triton as sc_triton
 
@@ -542,7 +543,7 @@ def tune_codes(out: Any, b: int, t: int, hkv: int) -> None:
             try:
                 ms = graph_ms(lambda c=c: retrieval_probs(q, kv, SCALING, active, out=probs,
                                                           codes=c))  # fmt: skip
-                per_key = (D // 2 + 8) if c is not None else D * 2
+                per_key = code_bytes(D) if c is not None else D * 2
                 r = {"ms": ms, "read TB/s": n_act * t * per_key / ms / 1e9}
             except Exception as e:
                 r = {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -567,9 +568,13 @@ def tune_rescore_codes(out: Any, kv: Any, codes: Any, q: torch.Tensor, gen: Any)
     slots = torch.arange(b, device=DEV)
     reuse = torch.rand(b, hkv, generator=gen, device=DEV) < 0.76
     saved = dict(cis_triton.TUNING)
-    for what, tile, pps in (("codes", 64, 8), ("codes", 128, 8), ("codes", 256, 8),
-                            ("codes", 256, 4), ("codes", 512, 4), ("keys", 64, 8)):  # fmt: skip
-        cis_triton.TUNING.update(rescore_tile=tile, rescore_programs_per_sm=pps)
+    for what, tile, pps, stages in (("codes", 64, 8, 4), ("codes", 128, 8, 4),
+                                    ("codes", 256, 8, 4), ("codes", 128, 8, 3),
+                                    ("codes", 256, 8, 3), ("codes", 256, 4, 4),
+                                    ("keys", 64, 8, 4), ("keys", 64, 8, 3)):  # fmt: skip
+        key = "rescore_tile_codes" if what == "codes" else "rescore_tile"
+        cis_triton.TUNING.update({key: tile, "rescore_programs_per_sm": pps,
+                                  "rescore_stages": stages})  # fmt: skip
         c = codes if what == "codes" else None
         idx, nxt = pools[..., :m].clone(), pools[..., m:].clone()
         cnt = torch.full((b, hkv), m, dtype=torch.int32, device=DEV)
@@ -583,7 +588,7 @@ def tune_rescore_codes(out: Any, kv: Any, codes: Any, q: torch.Tensor, gen: Any)
         except Exception as e:
             r_ = {"error": f"{type(e).__name__}: {e}"[:200]}
         emit(out, {"part": "tune-codes", "op": "rescore", "B": b, "T": t, "read": what,
-                   "tile": tile, "programs_per_sm": pps, **r_})  # fmt: skip
+                   "tile": tile, "programs_per_sm": pps, "stages": stages, **r_})  # fmt: skip
     cis_triton.TUNING.clear()
     cis_triton.TUNING.update(saved)
 
@@ -1111,9 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
             "cis-int4": ("cis", {"budget": 256, "block_size": 1, "scorer": "int4"}),
             "cis-int4-8": ("cis", {"budget": 256, "block_size": 8, "scorer": "int4"}),
             "quest": ("quest", {"budget": 256, "dense_layers": 0}),
-            "double_sparsity": (
-                "double_sparsity", {"budget": 256, "channels": ds.label_table(2)}
-            ),
+            "double_sparsity": ("double_sparsity", {"budget": 256, "channels": ds.label_table(2)}),
             "rabitq": ("rabitq", {"budget": 256, "dense_layers": 0}),
             "compkv": ("compkv", {"budget": 256}),
             "louver": ("louver", {"budget": 1024}),

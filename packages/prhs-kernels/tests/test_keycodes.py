@@ -27,7 +27,9 @@ def test_every_channel_lies_within_half_a_step(d, dtype):
     keys = (torch.randn(50, 3, d, generator=gen) * 4 + torch.randn(d, generator=gen)).to(dtype)
     rows = quantize_keys_reference(keys)
     assert rows.dtype == torch.uint8 and rows.shape == (50, 3, code_bytes(d))
-    params = rows[..., d // 2 :].contiguous().view(torch.float32)
+    assert code_bytes(d) % 16 == 0 and code_bytes(d) >= d // 2 + 8  # rows on 16-byte bounds
+    assert not rows[..., d // 2 + 8 :].any()  # the row's padding is zeros
+    params = rows[..., d // 2 : d // 2 + 8].contiguous().view(torch.float32)
     lo, step = params[..., 0], params[..., 1]
     x = keys.float()
     assert torch.equal(lo, x.amin(-1))
@@ -92,8 +94,10 @@ def test_write_refuses_bad_input_before_writing():
     snap = rows.clone()
     keys = torch.randn(2, 2, 8, generator=gen)
     loc = torch.tensor([0, 1])
-    with pytest.raises(ValueError, match="D/2 \\+ 8"):
-        write_key_codes(rows, loc, torch.randn(2, 2, 10))
+    with pytest.raises(ValueError, match="code_bytes\\(D\\)"):  # 16-byte rows, D 40's are 32
+        write_key_codes(rows, loc, torch.randn(2, 2, 40))
+    with pytest.raises(ValueError, match="D even"):
+        write_key_codes(rows, loc, torch.randn(2, 2, 9))
     with pytest.raises(ValueError, match="N=3"):
         write_key_codes(rows, torch.tensor([0, 1, 2]), keys)
     with pytest.raises(TypeError, match="uint8"):
@@ -121,8 +125,8 @@ def test_codes_must_cover_the_cache(make_kv, make_codes):
     short = KeyCodes(codes.rows, 20)  # rows of 20 positions for a cache of 30
     with pytest.raises(ValueError, match="do not cover"):
         code_logits(q, data["contig0"], short, 0.25)
-    with pytest.raises(ValueError, match="D/2 \\+ 8"):
-        code_logits(torch.randn(2, 4, 8), make_kv([30, 12], 2, 8)["contig0"], codes, 0.25)
+    with pytest.raises(ValueError, match="code_bytes\\(D\\)=32"):  # rows of 16 bytes for D 40
+        code_logits(torch.randn(2, 4, 40), make_kv([30, 12], 2, 40)["contig0"], codes, 0.25)
 
 
 def test_code_logits_are_within_the_codes_bound_on_every_layout(make_kv, make_codes):

@@ -80,6 +80,7 @@ TUNING = {
     "rescore_min_tiles": 2,
     "rescore_tile": 64,
     "rescore_tile_codes": 256,
+    "rescore_stages": 4,
     "rescore_write_block": 2048,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
@@ -1535,10 +1536,10 @@ def retrieval_compose_triton(
 
 # --- the re-ranking of a reuse's pool (rescore) ------------------------------------------------
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
-def _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, entry, ok, m_list):
+def _pool_ids(AIDX, ANEXT, a_base, cnt, n_base, entry, ok, m_list):
     """Block ids of pool ``entry`` (a tensor of entries) of one row: the anchor's list below
-    ``m_list`` (its first ``anchor_cnt`` entries), then its next blocks; ``-1`` for none."""
-    cnt = tl.load(ACNT + cnt_off)
+    ``m_list`` (its first ``cnt`` entries, ``anchor_cnt`` read once by the caller, outside its
+    loops, which a pipelined loop needs), then its next blocks; ``-1`` for none."""
     in_list = entry < m_list
     from_list = tl.load(AIDX + a_base + entry, mask=ok & in_list & (entry < cnt), other=-1)
     from_next = tl.load(ANEXT + n_base + (entry - m_list), mask=ok & (entry >= m_list), other=-1)
@@ -1554,7 +1555,8 @@ def _rescore_logits_kernel(
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
     PAGED: tl.constexpr, HAS_START: tl.constexpr, HOLD: tl.constexpr, UPCAST: tl.constexpr,
-    CODES: tl.constexpr, BLOCK_DH: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr,
+    CODES: tl.constexpr, BLOCK_DH: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, split): the logits of the split's pool entries (split 0: and of the sink's
     # and the local window's keys) into the row's scratch, and each head's running max and sum
@@ -1627,14 +1629,15 @@ def _rescore_logits_kernel(
         a_base = slot * stride_ai_n + h * stride_ai_h
         n_base = slot * stride_an_n + h * stride_an_h
         cnt_off = slot * stride_ac_n + h * stride_ac_h
+        a_cnt = tl.load(ACNT + cnt_off)
         v = tl.arange(0, BLOCK_N)
         scr = SCR + (row * G + offs_g)[:, None].to(tl.int64) * (n_pool * BS)
         e_lo = sp * chunk
         e_hi = tl.minimum(e_lo + chunk, n_pool)
-        for e0 in range(e_lo, e_hi, BLOCK_E):
+        for e0 in tl.range(e_lo, e_hi, BLOCK_E, num_stages=STAGES):  # every load pipelined
             entry = e0 + v // BS
             in_pool = entry < e_hi
-            ids = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, entry, in_pool, m_list)
+            ids = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, entry, in_pool, m_list)
             pos = ids * BS + v % BS
             ok = in_pool & (ids >= 0) & (pos < seq)
             if PAGED:
@@ -1703,12 +1706,13 @@ def _rescore_scores_kernel(
         a_base = slot * stride_ai_n + h * stride_ai_h
         n_base = slot * stride_an_n + h * stride_an_h
         cnt_off = slot * stride_ac_n + h * stride_ac_h
+        a_cnt = tl.load(ACNT + cnt_off)
         j = tl.arange(0, BS)
         scr_p = SCR + (row * G + offs_gp).to(tl.int64) * (n_pool * BS)
         for e0 in range(e_lo, e_hi, BLOCK_E):
             e = e0 + e_loc
             in_pool = e < e_hi
-            blk = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, e, in_pool, m_list)
+            blk = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, e, in_pool, m_list)
             flat = e[:, None] * BS + j[None, :]  # [BLOCK_E, BS]
             lg = tl.load(
                 scr_p[:, None, None] + flat[None, :, :],
@@ -1749,13 +1753,14 @@ def _rescore_write_kernel(
         a_base = slot * stride_ai_n + h * stride_ai_h
         n_base = slot * stride_an_n + h * stride_an_h
         cnt_off = slot * stride_ac_n + h * stride_ac_h
+        a_cnt = tl.load(ACNT + cnt_off)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < m_list
         ch = tl.load(CHOSEN + row * m_list + offs_m, mask=m_ok, other=-1)
         cv = tl.load(CVAL + row * m_list + offs_m, mask=m_ok, other=float("-inf"))
         chosen = m_ok & (ch >= 0) & (cv > float("-inf"))
         ch = tl.where(chosen, ch, 0).to(tl.int64)
-        new_list = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, ch, chosen, m_list)
+        new_list = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, ch, chosen, m_list)
         new_list = tl.where(chosen, new_list, -1)
         # Mark the chosen entries, then compact the others (in pool order) into TMP.
         flag = FLAG + row * n_pool
@@ -1771,7 +1776,7 @@ def _rescore_write_kernel(
             e = p0 + offs_p
             in_pool = e < n_pool
             rest = in_pool & (tl.load(flag + e, mask=in_pool, other=1) == 0)
-            ids = _pool_ids(AIDX, ACNT, ANEXT, a_base, cnt_off, n_base, e, rest, m_list)
+            ids = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, e, rest, m_list)
             at = done + prefix_count(rest, BLOCK_P, SEG) - 1
             tl.store(tmp + at, ids.to(tl.int32), mask=rest & (at < r_next))
             done += tl.sum(rest.to(tl.int32), 0)
@@ -1877,7 +1882,7 @@ def rescore_scores_triton(
         BLOCK_W=_pow2(n_sink + wl, 16), PAGED=paged, HAS_START=has_start, HOLD=hold_local,
         UPCAST=interpreting(), CODES=codes is not None, BLOCK_DH=_pow2(d // 2, 16),
         ALIGN=row_alignment(codes.rows) if codes is not None else 1,
-        **pdl_args(query.device, "cis"), num_warps=4,
+        STAGES=TUNING["rescore_stages"], **pdl_args(query.device, "cis"), num_warps=4,
     )  # fmt: skip
     scores[(b * h, n_split)](
         *fields, slots, flags, scr, part, out, *strides, n_pool, m_list, chunk, n_split,

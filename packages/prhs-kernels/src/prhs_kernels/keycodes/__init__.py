@@ -1,8 +1,9 @@
 """Compressed keys: a side cache of 4-bit keys, written at every K/V write, that retrievals and
 re-rankings score instead of the keys.
 
-A key ``[D]`` becomes a code row of ``D/2 + 8`` bytes (:mod:`.reference` states the format): 72
-bytes for ``D = 128`` against a bf16 key's 256 (28 %), each channel within half a step of the
+A key ``[D]`` becomes a code row of ``D/2 + 8`` bytes rounded up to a multiple of 16
+(:func:`code_bytes`; :mod:`.reference` states the format): 80 bytes for ``D = 128`` against a
+bf16 key's 256 (31 %), each channel within half a step of the
 key, coded around a centre per layer and KV head (the mean of the first keys written:
 :func:`key_center`), no per-request state. :class:`KeyCodes` names one layer's rows as a scorer
 reads them; :func:`write_key_codes` writes a step's keys into them (one launch on a Triton path,
@@ -69,7 +70,7 @@ class KeyCodes:
     Attributes
     ----------
     rows:
-        ``[R, Hkv, D/2 + 8]`` uint8, one row per KV location (row ``b · row_stride + t`` of
+        ``[R, Hkv, code_bytes(D)]`` uint8, one row per KV location (row ``b · row_stride + t`` of
         position ``t`` of row ``b`` in a contiguous layout, the token's slot in a paged one;
         the last row is scratch), a strided view such as ``side["cis_codes"][:, layer]``.
     row_stride:
@@ -87,11 +88,12 @@ class KeyCodes:
     def __post_init__(self) -> None:
         if not isinstance(self.rows, torch.Tensor) or self.rows.dtype != torch.uint8:
             raise TypeError(
-                f"rows must be a uint8 tensor [R, Hkv, D/2 + 8], got {type(self.rows).__name__}"
+                "rows must be a uint8 tensor [R, Hkv, code_bytes(D)], got "
+                f"{type(self.rows).__name__}"
                 + (f" {self.rows.dtype}" if isinstance(self.rows, torch.Tensor) else "")
             )
         if self.rows.ndim != 3 or self.rows.shape[0] < 1 or self.rows.shape[-1] < 9:
-            raise ValueError(f"rows must be [R, Hkv, D/2 + 8], got {shape_str(self.rows)}")
+            raise ValueError(f"rows must be [R, Hkv, code_bytes(D)], got {shape_str(self.rows)}")
         if self.rows.stride(-1) != 1:
             raise ValueError("rows must have a contiguous last dim")
         check_int("row_stride", self.row_stride, minimum=1)
@@ -122,7 +124,8 @@ def check_key_codes(kv: KVLayout, codes: object) -> None:
     d, h = kv.head_dim, kv.num_kv_heads
     if d % 2 or tuple(codes.rows.shape[1:]) != (h, code_bytes(d)):
         raise ValueError(
-            f"codes rows must be [R, Hkv={h}, D/2 + 8={d // 2 + 8}] for keys of D={d}, got "
+            f"codes rows must be [R, Hkv={h}, code_bytes(D)={code_bytes(d)}] for keys of D={d}, "
+            "got "
             f"{shape_str(codes.rows)}"
         )
     rows = codes.rows.shape[0] - 1
@@ -148,9 +151,9 @@ def write_key_codes(
     center: torch.Tensor | None = None,
     path: str = "torch",
 ) -> None:
-    """Write the code rows of the keys a host wrote into ``rows [R, Hkv, D/2 + 8]`` (uint8, one
-    layer's field, written in place; a strided view is fine; the last row is scratch), coded
-    around ``center [Hkv, D]`` (float32; ``None``: 0).
+    """Write the code rows of the keys a host wrote into ``rows [R, Hkv, code_bytes(D)]``
+    (uint8, one layer's field, written in place; a strided view is fine; the last row is
+    scratch), coded around ``center [Hkv, D]`` (float32; ``None``: 0).
 
     ``locations [N]`` (any integer dtype, ``-1``: none) are the KV locations written, distinct.
     ``key`` is ``[N, Hkv, D]`` (row ``i`` written at ``locations[i]``) or, with ``columns
@@ -163,7 +166,7 @@ def write_key_codes(
     check_index_tensor("locations", locations, ndim=1)
     n = locations.shape[0]
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.ndim != 3:
-        raise TypeError("rows must be a uint8 tensor [R, Hkv, D/2 + 8]")
+        raise TypeError("rows must be a uint8 tensor [R, Hkv, code_bytes(D)]")
     if columns is None:
         check_float_tensor("key", key, ndim=3)
     else:
@@ -174,7 +177,8 @@ def write_key_codes(
     h, d = key.shape[1], key.shape[-1]
     if key.shape[0] != n or d % 2 or tuple(rows.shape[1:]) != (h, code_bytes(d)):
         raise ValueError(
-            f"key must hold N={n} rows of [Hkv, D] with D even, and rows be [R, Hkv, D/2 + 8] "
+            f"key must hold N={n} rows of [Hkv, D] with D even, and rows be "
+            "[R, Hkv, code_bytes(D)] "
             f"to match; got key {shape_str(key)} and rows {shape_str(rows)}"
         )
     if rows.shape[0] < 1 or rows.stride(-1) != 1:

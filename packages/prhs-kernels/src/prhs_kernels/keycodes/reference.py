@@ -6,14 +6,18 @@ gives correct codes, since ``q · c`` is the same for every key of a query head 
 depends on it; a good one makes them finer (keys share a large common part, e.g. a projection
 bias, which would otherwise set every key's range).
 
-A key ``k [D]`` is stored as ``D/2 + 8`` bytes (one row of a side-cache field, at the key's KV
-location): ``D`` 4-bit codes ``c_j = ⌊(k_j − min_j k) / step + ½⌋``, ``step = (max k − min k) /
-15``, two to a byte (byte ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in
-its high one), then ``min`` and ``step`` as float32. The dequantised key is ``k̂_j = min +
-step·c_j``, so ``|k_j − k̂_j| ≤ step/2`` for every channel, and a query's estimated logit is
-``scaling · (min · Σ_j q_j + step · Σ_j q_j c_j)``. No centroid, rotation or calibration: a row
-is a function of the key alone, so keys shared between requests (a prefix cache) share their
-codes (given the same centre). A non-finite key is stored as zeros (its estimate is 0, not NaN).
+A key ``k [D]`` is stored as a row of ``D/2 + 8`` bytes rounded up to a multiple of 16 (80 at
+``D = 128``; one row of a side-cache field, at the key's KV location): ``D`` 4-bit codes
+``c_j = ⌊(k_j − min_j k) / step + ½⌋``, ``step = (max k − min k) / 15``, two to a byte (byte
+``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in its high one), then
+``min`` and ``step`` as float32, then zeros to the row's end. Rows of a multiple of 16 bytes
+start on 16-byte boundaries, so a scorer's tiles of rows load as asynchronous 16-byte copies
+that Triton pipelines (rows of 72 bytes were loaded a tile at a time, each tile waiting for its
+own). The dequantised key is ``k̂_j = min + step·c_j``, so ``|k_j − k̂_j| ≤ step/2`` for every
+channel, and a query's estimated logit is ``scaling · (min · Σ_j q_j + step · Σ_j q_j c_j)``.
+No centroid, rotation or calibration: a row is a function of the key alone, so keys shared
+between requests (a prefix cache) share their codes (given the same centre). A non-finite key
+is stored as zeros (its estimate is 0, not NaN).
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ LEVELS = 15
 
 
 def code_bytes(head_dim: int) -> int:
-    """Bytes of one key's codes row: ``D/2`` code bytes, then the float32 minimum and step."""
-    return head_dim // 2 + 8
+    """Bytes of one key's code row: ``D/2`` code bytes, the float32 minimum and step, and zeros
+    to a multiple of 16 bytes."""
+    return -(-(head_dim // 2 + 8) // 16) * 16
 
 
 def quantize_keys_reference(keys: torch.Tensor, center: torch.Tensor | None = None) -> torch.Tensor:
-    """``[..., D/2 + 8]`` uint8 code rows of ``keys [..., D]`` (``D`` even) around ``center``
+    """``[..., code_bytes(D)]`` uint8 code rows of ``keys [..., D]`` (``D`` even) around ``center``
     (float32, broadcast to the keys; ``None``: 0). A key whose values are not all finite gets a
     row of zeros."""
     d = keys.shape[-1]
@@ -61,14 +66,15 @@ def quantize_keys_reference(keys: torch.Tensor, center: torch.Tensor | None = No
     code = torch.where(step > 0, code, 0)
     packed = code[..., : d // 2] | (code[..., d // 2 :] << 4)
     params = torch.cat([lo, step], -1).contiguous().view(torch.uint8)  # [..., 8]
-    return torch.cat([packed, params], -1)
+    pad = packed.new_zeros(*packed.shape[:-1], code_bytes(d) - d // 2 - 8)
+    return torch.cat([packed, params, pad], -1)
 
 
 def dequantize_keys_reference(
     rows: torch.Tensor, head_dim: int, center: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[..., D]`` float32 keys ``min + step · code`` (plus ``center``, broadcast, when given)
-    of code ``rows [..., D/2 + 8]`` (uint8)."""
+    of code ``rows [..., code_bytes(D)]`` (uint8)."""
     dh = head_dim // 2
     packed = rows[..., :dh]
     params = rows[..., dh : dh + 8].contiguous().view(torch.float32)  # [..., 2]
@@ -87,7 +93,7 @@ def write_key_codes_reference(
     center: torch.Tensor | None = None,
 ) -> None:
     """Write the code rows of the keys a host wrote into one layer's field ``codes [R, Hkv,
-    D/2 + 8]`` (``R − 1`` the scratch row) at ``locations [N]`` (``-1``: none). ``key [N, Hkv,
+    code_bytes(D)]`` (``R − 1`` the scratch row) at ``locations [N]`` (``-1``: none). ``key [N, Hkv,
     D]``, or a cache ``[N, Hkv, T, D]`` read at ``columns [N]`` (a column outside ``[0, T)``:
     not written). ``finite [N]``: which keys are finite (``None``: found here, and the written
     ones that are not counted into ``nonfinite``). A non-finite key's row is zeros. ``center

@@ -3,7 +3,7 @@ scoring kernels inline.
 
 - ``_write_kernel``, a program per written row: reads the row's ``[Hkv, D]`` key (in place in a
   cache with ``columns``), finds whether it is finite (counting it when not), and writes each
-  head's code row -- ``D/2`` bytes of nibbles, then the float32 minimum and step.
+  head's code row -- ``D/2`` bytes of nibbles, the float32 minimum and step, zeros to 16 bytes.
 - :func:`code_query` and :func:`code_scores`, ``triton.jit`` helpers inlined into the
   retrieval's logits pass (:mod:`prhs_kernels.score.triton`) and CIS's re-ranking
   (:mod:`prhs_kernels.cis.triton`):
@@ -29,7 +29,8 @@ __all__ = ["code_query", "code_scores", "row_alignment", "write_key_codes_triton
 
 def row_alignment(rows: torch.Tensor) -> int:
     """The largest power of two, at most 16, that every code row's byte offset in ``rows [R,
-    Hkv, D/2 + 8]`` (uint8, a strided view) is a multiple of: the scorers' load width."""
+    Hkv, code_bytes(D)]`` (uint8, a strided view) is a multiple of: the scorers' load width
+    (16 for a side-cache field, whose rows are a multiple of 16 bytes)."""
     align = math.gcd(rows.stride(0), rows.stride(1), rows.data_ptr() % 16 or 16, 16)
     return 1 << (align.bit_length() - 1)
 
@@ -96,6 +97,7 @@ def _write_kernel(
     HAS_COL: tl.constexpr,
     COUNT: tl.constexpr,
     HAS_CENTER: tl.constexpr,
+    PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
@@ -147,6 +149,11 @@ def _write_kernel(
     h_ok = offs_h < HKV
     tl.store(prm, lo, mask=h_ok)
     tl.store(prm + 1, step, mask=h_ok)
+    if PAD > 0:  # the zeros that round the row up to 16 bytes
+        offs_z = tl.arange(0, 16)
+        z_ptr = row[:, None] + DH + 8 + offs_z[None, :]
+        z_ok = h_ok[:, None] & (offs_z < PAD)[None, :]
+        tl.store(z_ptr, tl.zeros([BLOCK_H, 16], tl.uint8), mask=z_ok)
 
 
 @functools.cache
@@ -187,5 +194,5 @@ def write_key_codes_triton(
         codes.stride(0), codes.stride(1), codes.shape[0] - 1,
         HKV=h, D=d, BLOCK_H=_pow2(h, 1), BLOCK_DH=_pow2(d // 2, 16),
         HAS_COL=columns is not None, COUNT=nonfinite is not None, HAS_CENTER=center is not None,
-        **pdl_args(key.device, "score"), num_warps=4,
+        PAD=codes.shape[-1] - d // 2 - 8, **pdl_args(key.device, "score"), num_warps=4,
     )  # fmt: skip

@@ -95,6 +95,7 @@ def _logits_kernel(
     CODES: tl.constexpr,
     BLOCK_DH: tl.constexpr,
     ALIGN: tl.constexpr,
+    STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # A persistent grid over the work items (active row, span). Every program ranks the active
@@ -148,7 +149,10 @@ def _logits_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         row = pid.to(tl.int64) * G + offs_g  # [BLOCK_G] rows of LOGITS [B * Hkv * G, t_max]
-        for t0 in range(lo, hi, BLOCK_T):
+        # tl.range with a stage count: every load of the loop is pipelined (asynchronous copies
+        # STAGES - 1 tiles ahead), the code rows' minimum and step too, which a plain range
+        # leaves as a load each tile waits for.
+        for t0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
             pos = t0 + tl.arange(0, BLOCK_T)
             in_range = pos < hi
             ok = in_range & (pos < seq_len)
@@ -374,7 +378,7 @@ def _logits_pass(
         BLOCK_R=max(2, triton.next_power_of_2(b * hkv)), UPCAST=interpreting(),
         Q_LABELS=labels is not None, K_LABELS=labels is not None and key_cache is None,
         LSE_BS=lse_bs, CODES=codes is not None, BLOCK_DH=max(16, triton.next_power_of_2(d // 2)),
-        ALIGN=row_alignment(codes.rows) if codes is not None else 1,
+        ALIGN=row_alignment(codes.rows) if codes is not None else 1, STAGES=TUNING["num_stages"],
         **pdl_args(dev, "score"), num_warps=TUNING["num_warps"],
         num_stages=TUNING["num_stages"],
     )  # fmt: skip
