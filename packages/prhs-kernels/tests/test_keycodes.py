@@ -115,7 +115,7 @@ def test_key_codes_are_checked():
     with pytest.raises(ValueError, match="row_stride"):
         KeyCodes(torch.zeros(4, 2, 16, dtype=torch.uint8), 0)
     codes = KeyCodes(torch.zeros(9, 2, 16, dtype=torch.uint8), 4)
-    assert codes.head_dim == 16
+    assert codes.rows.shape == (9, 2, 16) and codes.row_stride == 4 and codes.center is None
 
 
 def test_codes_must_cover_the_cache(make_kv, make_codes):
@@ -231,3 +231,8 @@ def test_codes_around_a_center_are_finer_where_keys_share_a_large_part():
         write_key_codes(rows, loc, keys, center=center.double())
     with pytest.raises(ValueError, match="center must be float32"):
         KeyCodes(rows, 64, center[:1])
+    # The rows' width is code_bytes(D), which several D share: the centre names D, and one whose
+    # rows would be another width is refused.
+    assert KeyCodes(rows, 64, center).center is center
+    with pytest.raises(ValueError, match="code_bytes\\(D\\) = 32"):
+        KeyCodes(rows, 64, torch.zeros(h, 64))

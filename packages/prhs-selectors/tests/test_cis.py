@@ -542,24 +542,28 @@ def test_certified_state_layouts():
     assert paper.init_state(spec, capacity=1, max_seq_len=100).side is None
 
 
-def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim):
-    """``scorer="int4"``: a side cache of one ``D/2 + 8``-byte code row per (location, layer,
-    KV head), a function of the key and the layer's centre (prefix sharing is safe), and a
-    retrieval or re-ranking counted at those bytes, not the keys'."""
+@pytest.mark.parametrize("d", [16, 64])
+def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim, d):
+    """``scorer="int4"``: a side cache of one code row (``D/2 + 8`` bytes rounded up to 16: 16
+    at D 16, 48 at D 64) per (location, layer, KV head), a function of the key and the layer's
+    centre (prefix sharing is safe), and a retrieval or re-ranking counted at those bytes, not
+    the keys'."""
     from prhs_core.config import AttentionSpec
-    from prhs_kernels.keycodes import dequantize_keys_reference
+    from prhs_kernels.keycodes import code_bytes, dequantize_keys_reference
 
+    width = {16: 16, 64: 48}[d]
+    assert code_bytes(d) == width
     assert not CISConfig().key_codes and not CISConfig(delta_max=0.1).key_codes  # exact
     assert CISConfig(scorer="int4").key_codes
-    spec = AttentionSpec(2, 4, 2, 16)
+    spec = AttentionSpec(2, 4, 2, d)
     sel = CIS(CISConfig(budget=8, tau=0.8, scorer="int4"))
     st = sel.init_state(spec, capacity=2, max_seq_len=100)
     assert st.side is not None and sel.side_page_size() == 1 and not sel.state_per_location
     assert st.side["cis_codes"].dtype == torch.uint8
-    assert tuple(st.side["cis_codes"].shape[1:]) == (2, 2, 16)  # D/2 + 8 bytes
-    assert tuple(st.side["cis_center"].shape) == (2, 2, 16)  # one centre per layer, KV head
+    assert tuple(st.side["cis_codes"].shape[1:]) == (2, 2, width)
+    assert tuple(st.side["cis_center"].shape) == (2, 2, d)  # one centre per layer, KV head
     # The codes follow the keys written, at their locations, around the first keys' mean.
-    sim = make_sim([40, 25], num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, seed=3)
+    sim = make_sim([40, 25], num_q_heads=4, num_kv_heads=2, head_dim=d, num_layers=2, seed=3)
     st = sim.attach(sel)
     codes = sel.key_codes(st, 1)
     prompt = torch.cat([sim.keys[1][0, :, :40], sim.keys[1][1, :, :25]], 1).float()  # [Hkv, n, D]
@@ -569,15 +573,15 @@ def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim):
     assert torch.equal(sel.key_codes(st, 1).center, center_before)
     kv = sim.kv(1)
     loc = 0 * st.row_stride + 30  # row 0, position 30
-    back = dequantize_keys_reference(codes.rows[loc], 16, codes.center)
+    back = dequantize_keys_reference(codes.rows[loc], d, codes.center)
     key = sim.keys[1][0, :, 30].float()
-    step = codes.rows[loc, :, 12:].contiguous().view(torch.float32)
+    step = codes.rows[loc, :, d // 2 + 4 : d // 2 + 8].contiguous().view(torch.float32)
     assert bool(((back - key).abs() <= step / 2 + 1e-6).all())
-    # Bytes: a retrieval reads one code row (D/2 + 8 = 16 bytes) per position.
+    # Bytes: a retrieval reads one code row per position.
     exact = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
     exact.init_state(spec, capacity=2, max_seq_len=100)
-    assert sel.key_row_bytes(kv) == 16 and exact.key_row_bytes(kv) == 16 * 4
-    assert torch.equal(sel.retrieval_bytes(kv), kv.seq_lens.view(-1, 1).double() * 16)
+    assert sel.key_row_bytes(kv) == width and exact.key_row_bytes(kv) == d * 4
+    assert torch.equal(sel.retrieval_bytes(kv), kv.seq_lens.view(-1, 1).double() * width)
 
 
 def test_cis_config_errors():

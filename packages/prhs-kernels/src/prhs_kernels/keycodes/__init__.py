@@ -99,16 +99,19 @@ class KeyCodes:
         check_int("row_stride", self.row_stride, minimum=1)
         if self.center is not None:
             check_float_tensor("center", self.center, ndim=2)
-            h, d = self.rows.shape[1], 2 * (self.rows.shape[-1] - 8)
-            if tuple(self.center.shape) != (h, d) or self.center.dtype != torch.float32:
+            h, width = self.rows.shape[1], self.rows.shape[-1]
+            d = self.center.shape[-1]
+            if (
+                self.center.shape[0] != h
+                or d % 2
+                or code_bytes(d) != width
+                or self.center.dtype != torch.float32
+            ):
                 raise ValueError(
-                    f"center must be float32 [Hkv={h}, D={d}], got {self.center.dtype} "
+                    f"center must be float32 [Hkv={h}, D] with D even and code_bytes(D) = "
+                    f"{width} (the rows' width), got {self.center.dtype} "
                     f"{shape_str(self.center)}"
                 )
-
-    @property
-    def head_dim(self) -> int:
-        return 2 * (self.rows.shape[-1] - 8)
 
 
 def codes_path(device: torch.device | str, dtype: torch.dtype) -> str:
