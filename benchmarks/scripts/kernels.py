@@ -532,23 +532,23 @@ def tune_codes(out: Any, b: int, t: int, hkv: int) -> None:
     active = active[torch.randperm(b * hkv, generator=gen, device=DEV)].view(b, hkv)
     probs = torch.empty(b, hkv, t, device=DEV)
     saved = dict(sc_triton.TUNING)
-    grid = [(512, 64, 8, 4, 3), (2048, 128, 8, 4, 3), (2048, 256, 4, 4, 2), (1024, 256, 8, 8, 2),
-            (4096, 256, 4, 8, 3), (2048, 128, 16, 4, 3), (4096, 512, 2, 8, 2),
-            (1024, 128, 8, 4, 4)]  # fmt: skip
-    for what in ("codes", "keys"):
-        for span, block_t, pps, warps, stages in grid if what == "codes" else grid[:1]:
-            sc_triton.TUNING.update(span=span, block_t=block_t, programs_per_sm=pps,
-                                    num_warps=warps, num_stages=stages)  # fmt: skip
-            c = codes if what == "codes" else None
-            try:
-                ms = graph_ms(lambda c=c: retrieval_probs(q, kv, SCALING, active, out=probs,
-                                                          codes=c))  # fmt: skip
-                per_key = code_bytes(D) if c is not None else D * 2
-                r = {"ms": ms, "read TB/s": n_act * t * per_key / ms / 1e9}
-            except Exception as e:
-                r = {"error": f"{type(e).__name__}: {e}"[:200]}
-            emit(out, {"part": "tune-codes", "B": b, "T": t, "Hkv": hkv, "read": what,
-                       "active": n_act, **sc_triton.TUNING, **r})  # fmt: skip
+    grid = [("codes", 512, 64, 8, 4, 3), ("codes", 512, 128, 8, 4, 3),
+            ("codes", 1024, 128, 8, 4, 3), ("codes", 2048, 128, 8, 4, 3),
+            ("codes", 1024, 128, 16, 4, 3), ("codes", 2048, 256, 8, 8, 3),
+            ("keys", 512, 64, 8, 4, 3), ("keys", 1024, 128, 8, 4, 3)]  # fmt: skip
+    for what, span, block_t, pps, warps, stages in grid:
+        sc_triton.TUNING.update(span=span, block_t=block_t, programs_per_sm=pps,
+                                num_warps=warps, num_stages=stages)  # fmt: skip
+        c = codes if what == "codes" else None
+        try:
+            ms = graph_ms(lambda c=c: retrieval_probs(q, kv, SCALING, active, out=probs,
+                                                      codes=c))  # fmt: skip
+            per_key = code_bytes(D) if c is not None else D * 2
+            r = {"ms": ms, "read TB/s": n_act * t * per_key / ms / 1e9}
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"[:200]}
+        emit(out, {"part": "tune-codes", "B": b, "T": t, "Hkv": hkv, "read": what,
+                   "active": n_act, **sc_triton.TUNING, **r})  # fmt: skip
     sc_triton.TUNING.clear()
     sc_triton.TUNING.update(saved)
     tune_rescore_codes(out, kv, codes, q, gen)
