@@ -223,14 +223,15 @@ class CISConfig(SelectorConfig):
     scorer:
         Paper mode: what a retrieval and a re-ranking (``rescore``) score, ``"int4"`` (a side
         cache of 4-bit keys written at every K/V write, :mod:`prhs_kernels.keycodes`:
-        ``D/2 + 8`` bytes a key, 28 % of a bf16 key at ``D = 128``, coded around the mean of
-        the first keys each layer is given) or ``"exact"`` (the keys).
+        ``D/2 + 8`` bytes a key rounded up to 16, 31 % of a bf16 key at ``D = 128``, coded
+        around the mean of the first keys each layer is given) or ``"exact"`` (the keys).
         The attention always reads the exact keys and values of what is selected. ``None``
-        (the default) is ``"exact"``: ``"int4"`` reads 2.7x fewer bytes a step at 4k tokens
-        with the same quality (see the CIS docs page), but its Triton scorers are not yet
-        faster than the exact ones (they read 3.6x fewer bytes and take as long: their tile
-        loads are not pipelined, so latency bounds them), and its side cache takes 14 % of the KV
-        pool's memory. Certified mode refuses ``"int4"`` (its certificate needs exact logits).
+        (the default) is ``"exact"``. ``"int4"`` reads 2x fewer bytes a step at 4k tokens with
+        the same quality (see the CIS docs page) and its Triton step is 7-12 % faster at B16
+        on an H100 (3 % slower at B1); it is not the default because the centre its codes are
+        taken around is fixed by the first keys written, so it depends on which requests came
+        first, and because its side cache takes 16 % of a bf16 KV pool's memory. Certified
+        mode refuses ``"int4"`` (its certificate needs exact logits).
     """
 
     budget: int = 64
