@@ -254,11 +254,7 @@ class SideCache(_Fields):
         fill: float | int | bool = 0,
     ) -> torch.Tensor:
         """Declare a tensor of ``shape`` per page of ``page_size`` locations."""
-        rows, self.rows = self.rows, self.num_pages + 1
-        try:
-            return self.add_field(name, shape, dtype, fill)
-        finally:
-            self.rows = rows
+        return self._add_field_of(self.num_pages + 1, name, shape, dtype, fill)
 
     def add_table(
         self,
@@ -270,13 +266,24 @@ class SideCache(_Fields):
         """Declare a tensor of exactly ``shape``, not indexed by location: metadata of the whole
         pool that describes how its rows are stored (e.g. the centre its keys' codes are taken
         around), set by a selector once and shared by every request."""
-        rows, self.rows = self.rows, 1
-        try:
-            table = self.add_field(name, shape, dtype, fill)[0]
-        finally:
-            self.rows = rows
+        table = self._add_field_of(1, name, shape, dtype, fill)[0]
         self._fields[name] = table
         return table
+
+    def _add_field_of(
+        self,
+        rows: int,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fill: float | int | bool,
+    ) -> torch.Tensor:
+        """:meth:`add_field` with ``rows`` rows instead of one per location."""
+        saved, self.rows = self.rows, rows
+        try:
+            return self.add_field(name, shape, dtype, fill)
+        finally:
+            self.rows = saved
 
     def rows_of(self, locations: torch.Tensor) -> torch.Tensor:
         """Token rows of ``locations`` (``-1`` → the scratch row), int64."""
