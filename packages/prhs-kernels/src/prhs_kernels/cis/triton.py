@@ -101,10 +101,12 @@ top-k's prefix counts (a prefix sum within segments of that many lanes, then ove
 segments' totals; 0: one prefix sum over the block); at 2 bits, µs at 0 / 32 / 128 / 512:
 16 384 positions 48.1 / 46.1 / 45.9 / 47.4, 65 536 71.3 / 63.5 / 63.2 / 65.8, 131 072 106 /
 100 / 99.2 / 103. And the re-ranking of a reuse's pool (``rescore``): programs per multiprocessor
-its rows are split into, the fewest tiles a program reads, the positions of a tile, and the
-pool entries the rewrite walks at a time; the tile is larger when the pool's code rows are
-read (an H100, B16, a pool of 3072 for three quarters of the rows: 131 µs at 64 positions,
-110 at 128, 106 at 256, 179 at 512; the keys: 90 µs at 64).
+its rows are split into, the fewest tiles a program reads, the positions of a tile (reading
+keys, reading code rows), the pipelining depth of its tile loop, and the pool entries the
+rewrite walks at a time. On an H100 (B16·T64k, a pool of 3072 for three quarters of the rows):
+code rows 86 µs in tiles of 64, 84 at 128, 76 at 256 (3 or 4 stages alike); the keys 91 µs in
+tiles of 64. A paged cache's loop has three levels of indirection (pool entry, slot, row),
+which Triton pipelines from 4 stages.
 Module-level so that a benchmark can sweep them."""
 
 

@@ -10,14 +10,13 @@ A key ``k [D]`` is stored as a row of ``D/2 + 8`` bytes rounded up to a multiple
 ``D = 128``; one row of a side-cache field, at the key's KV location): ``D`` 4-bit codes
 ``c_j = ⌊(k_j − min_j k) / step + ½⌋``, ``step = (max k − min k) / 15``, two to a byte (byte
 ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in its high one), then
-``min`` and ``step`` as float32, then zeros to the row's end. Rows of a multiple of 16 bytes
-start on 16-byte boundaries, so a scorer's tiles of rows load as asynchronous 16-byte copies
-that Triton pipelines (rows of 72 bytes were loaded a tile at a time, each tile waiting for its
-own). The dequantised key is ``k̂_j = min + step·c_j``, so ``|k_j − k̂_j| ≤ step/2`` for every
+``min`` and ``step`` as float32, then zeros to the row's end (rows of a multiple of 16 bytes
+start on 16-byte boundaries, so a scorer's tiles of rows load as asynchronous 16-byte copies).
+The dequantised key is ``k̂_j = min + step·c_j``, so ``|k_j − k̂_j| ≤ step/2`` for every
 channel, and a query's estimated logit is ``scaling · (min · Σ_j q_j + step · Σ_j q_j c_j)``.
-No centroid, rotation or calibration: a row is a function of the key alone, so keys shared
-between requests (a prefix cache) share their codes (given the same centre). A non-finite key
-is stored as zeros (its estimate is 0, not NaN).
+No centroid or rotation: a row is a function of the key and the pool's centre alone, so keys
+shared between requests (a prefix cache) share their codes. A non-finite key is stored as zeros
+(its estimate is 0, not NaN).
 """
 
 from __future__ import annotations
