@@ -371,6 +371,17 @@ class DecodeSimulator:
         return token_locations(kv, pos, row_stride)
 
     # -- selectors ------------------------------------------------------------------------------
+    def init_state(self, selector: Any) -> SelectorState:
+        """A new state of ``selector`` sized for this batch (what :meth:`attach` makes)."""
+        return selector.init_state(
+            self.spec,
+            capacity=self.pool_capacity,
+            max_seq_len=self.t_cap,
+            num_kv_locations=self.num_kv_locations,
+            kv_page_size=self.kv_page_size,
+            kv_dtype=self.dtype,
+        )
+
     def attach(
         self,
         selector: Any,
@@ -383,14 +394,7 @@ class DecodeSimulator:
         created, the cached K/V written through ``write_kv``, and a plan (``checked``: its
         value checks, and ``write_kv``'s)."""
         if state is None:
-            state = selector.init_state(
-                self.spec,
-                capacity=self.pool_capacity,
-                max_seq_len=self.t_cap,
-                num_kv_locations=self.num_kv_locations,
-                kv_page_size=self.kv_page_size,
-                kv_dtype=self.dtype,
-            )
+            state = self.init_state(selector)
         state.pool.create(self.live_slots)
         if self.key_grid and state.side is not None:
             # Tables set once from the first keys (CIS's code centre) stay at their fill (0),

@@ -538,8 +538,12 @@ def test_certified_state_layouts():
     assert st.side is None and glob.side_page_size() == 1
     assert tuple(st.pool["anchor_log_delta"].shape[1:]) == (2, 2, 2)
     assert not glob.state_per_location
-    paper = CIS(CISConfig(budget=8, tau=0.8))
+    paper = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
     assert paper.init_state(spec, capacity=1, max_seq_len=100).side is None
+    # Paper mode's default scorer keeps a code row per key: a side cache, one row a location.
+    codes = CIS(CISConfig(budget=8, tau=0.8))
+    st = codes.init_state(spec, capacity=1, max_seq_len=100)
+    assert st.side is not None and codes.side_page_size() == 1
 
 
 @pytest.mark.parametrize("d", [16, 64])
@@ -553,8 +557,9 @@ def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim, d):
 
     width = {16: 16, 64: 48}[d]
     assert code_bytes(d) == width
-    assert not CISConfig().key_codes and not CISConfig(delta_max=0.1).key_codes  # exact
-    assert CISConfig(scorer="int4").key_codes
+    assert CISConfig().key_codes and CISConfig(scorer="int4").key_codes  # paper mode's default
+    assert not CISConfig(scorer="exact").key_codes
+    assert not CISConfig(delta_max=0.1).key_codes  # certified mode scores the keys
     spec = AttentionSpec(2, 4, 2, d)
     sel = CIS(CISConfig(budget=8, tau=0.8, scorer="int4"))
     st = sel.init_state(spec, capacity=2, max_seq_len=100)
@@ -582,6 +587,54 @@ def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim, d):
     exact.init_state(spec, capacity=2, max_seq_len=100)
     assert sel.key_row_bytes(kv) == width and exact.key_row_bytes(kv) == d * 4
     assert torch.equal(sel.retrieval_bytes(kv), kv.seq_lens.view(-1, 1).double() * width)
+
+
+def test_a_pinned_key_center_codes_every_write_around_it(make_sim):
+    """``set_key_center`` before the first write: the codes are taken around the pinned centre
+    whatever the first prompt holds (two batches that share a sequence code it alike), and a
+    late, misshapen, non-finite or exact-scorer pin is refused before anything changes."""
+    from prhs_kernels.keycodes import key_center
+
+    kw = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16, "num_layers": 2, "seed": 4}
+    center = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(2))
+    rows, free_centers = [], []
+    for lengths, ids in (([40, 25], [0, 1]), ([40, 33, 18], [0, 5, 6])):
+        sel = CIS(CISConfig(budget=8, tau=0.8))
+        sim = make_sim(lengths, row_ids=ids, **kw)
+        st = sim.init_state(sel)
+        sel.set_key_center(st, center)
+        sim.attach(sel, st)
+        assert torch.equal(st.side["cis_center"], center)
+        rows.append(st.side["cis_codes"][:40].clone())  # row 0's prompt, contiguous
+        # Unpinned, the first write's mean is the centre: the two batches' differ.
+        free = CIS(CISConfig(budget=8, tau=0.8))
+        free_centers.append(sim.attach(free).side["cis_center"].clone())
+    assert torch.equal(rows[0], rows[1])
+    assert not torch.allclose(free_centers[0], free_centers[1])
+    sel = CIS(CISConfig(budget=8, tau=0.8))
+    sim = make_sim([30], **kw)
+    st = sim.init_state(sel)
+    before = st.side["cis_center"].clone()
+    with pytest.raises(ValueError, match=r"center must be \[num_layers=2, Hkv=2, D=16\]"):
+        sel.set_key_center(st, center[:1])
+    bad = center.clone()
+    bad[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="center"):
+        sel.set_key_center(st, bad)
+    with pytest.raises(TypeError, match="center"):
+        sel.set_key_center(st, center.long())
+    assert torch.equal(st.side["cis_center"], before) and not st.side.initialized
+    sim.attach(sel, st)  # the first write fixes the centre: a pin now is too late
+    first = st.side["cis_center"].clone()
+    loc = torch.arange(30)
+    prompt = sim.keys[1][0, :, :30].transpose(0, 1)  # [30, Hkv, D]
+    torch.testing.assert_close(first[1], key_center(loc, prompt))
+    with pytest.raises(ValueError, match=r"before the first key is written: layer\(s\) \[0, 1\]"):
+        sel.set_key_center(st, center)
+    assert torch.equal(st.side["cis_center"], first)
+    exact = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
+    with pytest.raises(ValueError, match="applies to paper mode with key codes"):
+        exact.set_key_center(make_sim([30], **kw).init_state(exact), center)
 
 
 def test_cis_config_errors():

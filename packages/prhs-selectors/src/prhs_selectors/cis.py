@@ -40,7 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from prhs_core.checks import check_int, check_probability
+from prhs_core.checks import (
+    check_float_tensor,
+    check_int,
+    check_probability,
+    check_values_finite,
+)
 from prhs_core.config import AttentionSpec, SelectorConfig
 from prhs_core.layout import ContiguousKV, KVLayout
 from prhs_core.plan import DecodePlan
@@ -223,15 +228,17 @@ class CISConfig(SelectorConfig):
     scorer:
         Paper mode: what a retrieval and a re-ranking (``rescore``) score, ``"int4"`` (a side
         cache of 4-bit keys written at every K/V write, :mod:`prhs_kernels.keycodes`:
-        ``D/2 + 8`` bytes a key rounded up to 16, 31 % of a bf16 key at ``D = 128``, coded
-        around the mean of the first keys each layer is given) or ``"exact"`` (the keys).
-        The attention always reads the exact keys and values of what is selected. ``None``
-        (the default) is ``"exact"``. ``"int4"`` reads 2x fewer bytes a step at 4k tokens with
-        the same quality (see the CIS docs page) and its Triton step is 7-12 % faster at B16
-        on an H100 (3 % slower at B1); it is not the default because the centre its codes are
-        taken around is fixed by the first keys written, so it depends on which requests came
-        first, and because its side cache takes 16 % of a bf16 KV pool's memory. Certified
-        mode refuses ``"int4"`` (its certificate needs exact logits).
+        ``D/2 + 8`` bytes a key rounded up to 16, 31 % of a bf16 key at ``D = 128``) or
+        ``"exact"`` (the keys). The attention always reads the exact keys and values of what
+        is selected. ``None`` (the default) is ``"int4"`` in paper mode and ``"exact"`` in
+        certified mode, which refuses ``"int4"`` (its certificate needs exact logits). Against
+        ``"exact"``, ``"int4"`` reads half the bytes a step at 4k tokens with the same quality
+        (see the CIS docs page), its Triton step is 7-12 % faster at B16 on an H100 (3 %
+        slower at B1), and its side cache takes 16 % of a bf16 KV pool's memory. The codes are
+        taken around a centre per layer and KV head: the mean of the first keys written to the
+        layer, or one pinned before any write (:meth:`CIS.set_key_center`, e.g. from a
+        calibration prompt), which makes every request's codes independent of the requests
+        written before or beside it.
     """
 
     budget: int = 64
@@ -361,8 +368,9 @@ class CISConfig(SelectorConfig):
     @property
     def key_codes(self) -> bool:
         """Whether retrievals and re-rankings score the side cache of 4-bit keys
-        (``scorer="int4"``; ``None`` means ``"exact"``)."""
-        return self.scorer == "int4"
+        (``scorer="int4"``; ``None`` means ``"int4"`` in paper mode, ``"exact"`` in certified
+        mode)."""
+        return self.scorer == "int4" or (self.scorer is None and not self.certified)
 
     @property
     def auto_queries(self) -> int:
@@ -493,6 +501,40 @@ class CIS(BaseSelector):
         assert state.side is not None
         side = state.side
         return KeyCodes(side["cis_codes"][:, layer], state.row_stride, side["cis_center"][layer])
+
+    def set_key_center(self, state: SelectorState, center: torch.Tensor) -> None:
+        """Pin the centre ``center [num_layers, Hkv, D]`` (float, finite) that every code row
+        of ``state`` is taken around, before its first key is written (paper mode with key
+        codes: ``scorer="int4"``, the default). Without it, the first keys written to each layer
+        fix that layer's centre (:func:`prhs_kernels.keycodes.key_center` of that write), so a
+        state's codes depend on which prompts it was given first; with it, every request's
+        codes are a function of its own keys, whichever requests came before or beside it. A
+        centre from one calibration prompt serves (e.g. ``key_center`` of its keys per layer):
+        on the 4k perplexity runs, another text's centre gave the window's own beta. Host
+        checks (a setup call, never inside a step)."""
+        if not self.config.key_codes or state.side is None:
+            raise ValueError(
+                "set_key_center applies to paper mode with key codes (scorer='int4', the "
+                "default); this selector scores the exact keys (scorer='exact' or certified mode)"
+            )
+        table = state.side["cis_center"]
+        check_float_tensor("center", center, ndim=3)
+        if tuple(center.shape) != tuple(table.shape):
+            n_l, h, d = table.shape
+            raise ValueError(
+                f"center must be [num_layers={n_l}, Hkv={h}, D={d}], got {list(center.shape)}"
+            )
+        check_values_finite("center", center)
+        names = [f"cis_center/{layer}" for layer in range(table.shape[0])]
+        written = [n for n in names if n in state.side.initialized]
+        if written:
+            raise ValueError(
+                "set_key_center must come before the first key is written: layer(s) "
+                f"{[int(n.split('/')[1]) for n in written]} already coded keys around their "
+                "centre (pin it right after init_state)"
+            )
+        table.copy_(center.to(device=table.device, dtype=torch.float32))
+        state.side.initialized.update(names)
 
     def counts_nonfinite_keys(self) -> bool:
         # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
