@@ -382,6 +382,57 @@ def check_topk(out: Any) -> None:
         )
 
 
+def check_retrieval_pool(out: Any) -> None:
+    """CIS's retrieval with ``rescore`` (:func:`prhs_kernels.cis.retrieval_pool`) on its Triton
+    path, seeded in place by the slots' pools (``anchor_idx``, ``anchor_next``: good seeds, the
+    top ``m + r`` of a perturbed copy of the scores; poor ones, random ids; none), against the
+    torch path at decode sizes: equal lists, values and next blocks, and how many rows the
+    seed left to a whole-row ranking."""
+    from prhs_kernels.cis import retrieval_pool
+    from prhs_kernels.cis.triton import seeded_capacity
+    from prhs_kernels.topk import seeded_candidates
+
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    m, r = 1024, 2048
+    for b, n in ((1, 16384), (16, 16384), (16, 65536)):
+        h = 8
+        x = torch.rand(b, h, n, generator=gen, device=DEV)
+        x[..., :4] = float("-inf")  # the sink, as block scores have it
+        retrieve = torch.rand(b, h, generator=gen, device=DEV) < 0.6
+        slots = torch.randperm(2 * b, generator=gen, device=DEV)[:b]
+        near = x + 0.02 * torch.rand(b, h, n, generator=gen, device=DEV)
+        seed = torch.topk(near, m + r, dim=-1).indices.to(torch.int32)
+        seed[0, 0] = torch.randperm(n, generator=gen, device=DEV)[: m + r].to(torch.int32)
+        seed[-1, -1] = -1  # no pool yet
+        anchor_idx = torch.full((2 * b, h, m), -1, dtype=torch.int32, device=DEV)
+        nxt0 = torch.full((2 * b, h, r), -1, dtype=torch.int32, device=DEV)
+        anchor_idx[slots], nxt0[slots] = seed[..., :m], seed[..., m:]
+        got_next, want_next = nxt0.clone(), nxt0.clone()
+        idx, val = retrieval_pool(x, m, r, retrieve, got_next, slots, anchor_idx=anchor_idx,
+                                  path="triton")  # fmt: skip
+        ref_idx, ref_val = retrieval_pool(x, m, r, retrieve, want_next, slots, path="torch")
+        cap = seeded_capacity(n, m + r)
+        *_, over = seeded_candidates(x, m + r, seed, capacity=cap, active=retrieve,
+                                     path="triton")  # fmt: skip
+        a = retrieve
+        emit(
+            out,
+            {
+                "part": "check",
+                "op": "retrieval_pool (Triton, seeded in place by the slots' pools)",
+                "batch": b,
+                "n": n,
+                "m": m,
+                "r": r,
+                "lists_equal": bool(torch.equal(idx[a], ref_idx[a])),
+                "values_equal": bool(torch.equal(val[a], ref_val[a])),
+                "next_equal": bool(torch.equal(got_next, want_next)),
+                "rows_retrieving": int(a.sum()),
+                "rows_ranked_whole": int(over.sum()),
+            },
+        )
+
+
 def check_louver_index(out: Any) -> None:
     """Louver's index build (:func:`prhs_kernels.louver.index_pages`) on its Triton path against
     the torch reference at a decode step's size (B 16, Hkv 8, two pages of 256 keys, D 128): the
@@ -1083,7 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check-selectors",
         default=None,
         help="check: only these selectors' Triton-vs-torch step checks (comma separated names "
-        "of the check list: cis, cis-1, cis-int4, cis-int4-8, quest, double_sparsity, rabitq, "
+        "of the check list: cis, cis-1, cis-exact, cis-exact-8, quest, double_sparsity, rabitq, "
         "compkv, louver), then the kernel checks",
     )
     p.add_argument(
@@ -1113,8 +1164,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = {
             "cis": ("cis", {"budget": 256, "block_size": 8}),
             "cis-1": ("cis", {"budget": 256, "block_size": 1}),
-            "cis-int4": ("cis", {"budget": 256, "block_size": 1, "scorer": "int4"}),
-            "cis-int4-8": ("cis", {"budget": 256, "block_size": 8, "scorer": "int4"}),
+            "cis-exact": ("cis", {"budget": 256, "block_size": 1, "scorer": "exact"}),
+            "cis-exact-8": ("cis", {"budget": 256, "block_size": 8, "scorer": "exact"}),
             "quest": ("quest", {"budget": 256, "dense_layers": 0}),
             "double_sparsity": ("double_sparsity", {"budget": 256, "channels": ds.label_table(2)}),
             "rabitq": ("rabitq", {"budget": 256, "dense_layers": 0}),
@@ -1131,6 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
             check_selector_paths(out, *checks[key])
         if a.check_selectors is None or "louver" in only:
             check_louver_index(out)
+        check_retrieval_pool(out)
         check_codes(out)
         check(out)
     elif a.part == "check-proxies":

@@ -345,3 +345,25 @@ def test_seeded_candidates_refuse_bad_input():
         seeded_candidates(x, 4, torch.zeros(3, 4, dtype=torch.int32), capacity=8)
     with pytest.raises(TypeError):
         seeded_candidates(x, 4, torch.zeros(2, 4), capacity=8)
+
+
+def test_seeded_candidates_take_two_seeds_at_their_rows():
+    """The torch path: two seeds at ``seed_rows`` are one seed gathered and concatenated; a
+    misshapen seed or ``seed_rows`` is refused."""
+    from prhs_kernels.topk import seeded_candidates, seeded_candidates_reference
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 50, generator=gen)
+    a = torch.randint(0, 50, (4, 3, 6), generator=gen, dtype=torch.int32)
+    c = torch.randint(0, 50, (4, 3, 4), generator=gen)
+    rows = torch.tensor([3, 1])
+    got = seeded_candidates(x, 5, (a, c), capacity=16, seed_rows=rows)
+    want = seeded_candidates_reference(x, 5, torch.cat([a[rows].long(), c[rows]], -1), 16)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="seed_rows must be"):
+        seeded_candidates(x, 5, (a, c), capacity=16, seed_rows=rows[:1])
+    with pytest.raises(ValueError, match=r"seed\[1\] \[..., S\] must have"):
+        seeded_candidates(x, 5, (a, c[:, :2]), capacity=16, seed_rows=rows)
+    with pytest.raises(ValueError, match="a tensor or two"):
+        seeded_candidates(x, 5, (a, a, a), capacity=16, seed_rows=rows)

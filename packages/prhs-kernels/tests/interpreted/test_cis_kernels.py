@@ -794,6 +794,18 @@ def test_retrieval_pool_seeded_by_the_anchor_pool_matches_the_unseeded(monkeypat
         out[s is None] = (idx, val, nxt)
     for a, b_ in zip(out[True], out[False], strict=True):
         assert torch.equal(a, b_)
+    # The same seeds as the slots' pools, read in place (anchor_idx, then anchor_next).
+    anchor_idx = torch.full((4, h, m), -1, dtype=torch.int32)
+    nxt = torch.full((4, h, r), -1, dtype=torch.int32)
+    anchor_idx[slots], nxt[slots] = seed[..., :m], seed[..., m:]
+    keep = nxt.clone()
+    idx, val = retrieval_pool(scores, m, r, retrieve, nxt, slots, anchor_idx=anchor_idx,
+                              path=PATH)  # fmt: skip
+    assert torch.equal(idx, out[True][0]) and torch.equal(val, out[True][1])
+    # Retrieving rows' next blocks are the unseeded ones; the others keep their pools.
+    on = torch.zeros(4, h, dtype=torch.bool)
+    on[slots] = retrieve
+    assert torch.equal(nxt[on], out[True][2][on]) and torch.equal(nxt[~on], keep[~on])
     if cap_fits:  # the good seeds verified; the gapped, poor and empty ones were flagged
         from prhs_kernels.topk import seeded_candidates
 

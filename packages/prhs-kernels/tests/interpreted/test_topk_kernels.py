@@ -57,3 +57,31 @@ def test_seeded_candidates_match_the_reference(monkeypatch, n, k, cap, chunk):
         top = torch.topk(x[r].nan_to_num(nan=float("-inf")), k).values[-1]
         assert set(torch.nonzero(x[r] >= top).flatten().tolist()) <= set(c.tolist())
     assert bool((ids[0] == -1).all()) and not bool(over[0])
+
+
+def test_seeds_read_in_place_at_their_rows_match_one_gathered_seed():
+    """Two seeds read in place at ``seed_rows`` (a state's per-slot pools at a batch's slots,
+    rows ``[B, Hkv]``) give what one gathered, concatenated seed gives, flags included; the
+    Triton launcher also says which active rows need no whole-row ranking."""
+    from prhs_kernels.topk.triton import seeded_candidates_triton
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, k = 3, 2, 600, 40
+    x = torch.randn(b, h, n, generator=gen)
+    best = torch.topk(x, k, dim=-1).indices.to(torch.int32)  # [B, Hkv, k]
+    slots = torch.tensor([4, 0, 2])
+    first = torch.full((5, h, 15), -1, dtype=torch.int32)  # an anchor's list, per slot
+    second = torch.full((5, h, k - 15), -1, dtype=torch.int32)  # and its next blocks
+    first[slots], second[slots] = best[..., :15], best[..., 15:]
+    second[0, 1, :3] = -1  # slot 0 (row 1), head 1: a partial pool, no threshold
+    active = torch.tensor([[True, True], [True, True], [False, True]])
+    got = seeded_candidates(x, k, (first, second), capacity=128, active=active,
+                            seed_rows=slots, path=PATH)  # fmt: skip
+    whole = torch.cat([first[slots], second[slots]], -1)
+    want = seeded_candidates_reference(x, k, whole, 128, active)
+    for a, b_ in zip(got, want, strict=True):
+        assert torch.equal(a, b_)
+    assert got[2].tolist() == [[False, False], [False, True], [False, False]]
+    *_, over, ranked = seeded_candidates_triton(x, k, (first, second), 128, active, slots)
+    assert torch.equal(over.view(b, h), got[2])
+    assert torch.equal(ranked.view(b, h), active & ~got[2])

@@ -877,13 +877,11 @@ class CIS(BaseSelector):
                     path=path,
                 )
                 if n_next:  # the retrieving rows' anchors also keep their next-best blocks
-                    # On a GPU the row's current pool seeds the ranking (guess, verify, refine).
-                    seed = None
-                    if path.startswith("triton"):
-                        seed = torch.cat([anchor["anchor_idx"][slots], anchor_next[slots]], -1)
+                    # On a GPU the row's current pool (read in place at its slot) seeds the
+                    # ranking (guess, verify, refine).
                     new_idx, new_scores = retrieval_pool(
-                        scores, m_width, n_next, retrieve, anchor_next, slots, seed=seed,
-                        path=path,
+                        scores, m_width, n_next, retrieve, anchor_next, slots,
+                        anchor_idx=anchor["anchor_idx"], path=path,
                     )  # fmt: skip
                 else:
                     new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)

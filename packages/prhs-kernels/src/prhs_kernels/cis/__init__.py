@@ -279,6 +279,7 @@ def retrieval_pool(
     slots: torch.Tensor,
     *,
     seed: torch.Tensor | None = None,
+    anchor_idx: torch.Tensor | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval that also keeps its next ``r`` blocks for the reuses to re-rank (CIS's
@@ -293,7 +294,10 @@ def retrieval_pool(
     that held the top ``m + r`` of a nearby query, such as the row's current anchor pool):
     on a Triton path over long rows, the top ``m + r`` are found among the scores that reach
     the seed's ``(m + r)``-th best and the whole row is ranked only for the rows where that
-    fails (guess, verify, refine); the result is the same, ties included."""
+    fails (guess, verify, refine); the result is the same, ties included. ``anchor_idx [N,
+    Hkv, S]`` (int32, instead of ``seed``): each row's seed is its slot's current pool,
+    ``anchor_idx`` and ``anchor_next`` at ``slots``, read in place on a Triton path (no
+    gather or concatenation launched)."""
     check_int("m", m, minimum=1)
     check_int("r", r, minimum=1)
     if scores.ndim != 3:
@@ -309,13 +313,24 @@ def retrieval_pool(
     if seed is not None:
         check_index_tensor("seed", seed, ndim=3)
         check_shape("seed", seed, (b, h, None), "[B, Hkv, S]")
+    if anchor_idx is not None:
+        if seed is not None:
+            raise ValueError("give seed or anchor_idx (the slots' pools as the seed), not both")
+        check_index_tensor("anchor_idx", anchor_idx, ndim=3)
+        if anchor_idx.shape[0] != anchor_next.shape[0] or anchor_idx.shape[1] != h:
+            raise ValueError(
+                f"anchor_idx must be [N={anchor_next.shape[0]}, Hkv={h}, S] as anchor_next, got "
+                f"{list(anchor_idx.shape)}"
+            )
     k_all = min(m + r, n)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import retrieval_pool_triton, top_blocks_fits
 
         if top_blocks_fits(n, k_all) and top_blocks_fits(k_all, min(m, k_all)):
             announce("retrieval_pool", path, scores.device)
-            return retrieval_pool_triton(scores, m, r, retrieve, anchor_next, slots, seed)
+            return retrieval_pool_triton(
+                scores, m, r, retrieve, anchor_next, slots, seed, anchor_idx
+            )
     idx, val = top_blocks(scores, k_all, retrieve, path=path)
     after = torch.where(val[..., m:] > float("-inf"), idx[..., m:], -1)
     big = torch.iinfo(torch.int32).max  # -1 after every block, then block order

@@ -1136,6 +1136,8 @@ def top_blocks_triton(
     compose: dict | None = None,
     lse: dict | None = None,
     ids: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fill: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
     (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
@@ -1146,7 +1148,9 @@ def top_blocks_triton(
     (:func:`_score_chunk`'s arguments by the ``_topk_kernel``'s names): ``scores`` is only
     written, each first-pass program scoring its active row's chunk there before ranking it.
     ``ids [..., N]`` (int32): ``scores`` are candidates whose ids these are, in increasing id
-    order (a seeded top-k's candidates); the indices returned are theirs."""
+    order (a seeded top-k's candidates); the indices returned are theirs. ``out``: the two
+    outputs to write (contiguous ``[..., k]`` int32 and float32); ``fill`` off: inactive rows
+    are left as they are there (so that two rankings of disjoint rows can share one output)."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -1154,8 +1158,11 @@ def top_blocks_triton(
     rows = scores.numel() // max(n, 1)
     dev = scores.device
     flags = active.contiguous().view(torch.int8)
-    idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=dev)
-    val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
+    if out is None:
+        idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=dev)
+        val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
+    else:
+        idx, val = out
     block_k = _pow2(k, 2)
     *_, topk = _kernels(interpreting())
     search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", 16)  # checked up front
@@ -1183,7 +1190,7 @@ def top_blocks_triton(
         block = _pow2(chunk, 16)
         score = _unread_lse(values) if lse is None or has_ids else {**lse, "FROM_LSE": True}
         # Only the last pass's output is read for every row: earlier ones skip the idle rows.
-        kernel, extra = topk, {**score, "FILL": last}
+        kernel, extra = topk, {**score, "FILL": last and fill}
         if last and compose is not None:
             # The composition's own arguments name the row's sequence lengths, windows and
             # group (LENS, n_sink, n_local, HKV, G, BS): the scoring takes those.
@@ -1999,6 +2006,7 @@ def retrieval_pool_triton(
     anchor_next: torch.Tensor,
     slots: torch.Tensor,
     seed: torch.Tensor | None = None,
+    anchor_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval that keeps its next ``r`` blocks (``rescore``): ``(list [B, Hkv, m'] int32,
     values)``, the top ``m' = min(m, N)`` blocks of each retrieving row of ``scores [B, Hkv,
@@ -2010,21 +2018,27 @@ def retrieval_pool_triton(
     :func:`top_blocks_fits` for both rankings. ``seed [B, Hkv, S]`` (block ids, e.g. each row's
     current anchor pool): the top ``m + r`` are found among the scores reaching the seed's
     ``(m + r)``-th best (:func:`prhs_kernels.topk.seeded_candidates`) where the row is long
-    enough for it to pay (:func:`seeded_capacity`), the whole row only where that fails."""
+    enough for it to pay (:func:`seeded_capacity`), the whole row only where that fails.
+    ``anchor_idx [N_slots, Hkv, S]`` (instead of ``seed``): each row is seeded with its slot's
+    current pool, ``anchor_idx`` and ``anchor_next`` at ``slots``, read in place."""
     b, h, n = scores.shape
     k_all = min(m + r, n)
     cap = seeded_capacity(n, k_all)
-    if seed is not None and cap:
+    if (seed is not None or anchor_idx is not None) and cap:
         # Guess-verify-refine: the candidates reaching the seed's k_all-th score, ranked in
         # one pass; the rows whose seed gave no threshold or whose candidates overflow are
-        # ranked whole (a launch sequence whose programs find no work where no row is flagged).
-        c_val, c_id, over = seeded_candidates_triton(scores, k_all, seed, cap, retrieve)
-        c_val, c_id = c_val.view(b, h, cap), c_id.view(b, h, cap)
-        over = over.view(b, h)
-        cand, cval = top_blocks_triton(c_val, k_all, retrieve & ~over, sort=False, ids=c_id)
-        full, full_val = top_blocks_triton(scores, k_all, over, sort=False)
-        cand = torch.where(over.unsqueeze(-1), full, cand)
-        cval = torch.where(over.unsqueeze(-1), full_val, cval)
+        # ranked whole (a launch sequence whose programs find no work where no row is flagged),
+        # into the same outputs, which the candidates' ranking leaves alone for those rows.
+        seeds = (seed,) if seed is not None else (anchor_idx, anchor_next)
+        c_val, c_id, over, ranked = seeded_candidates_triton(
+            scores, k_all, seeds, cap, retrieve, None if seed is not None else slots
+        )
+        cand = torch.empty(b, h, k_all, dtype=torch.int32, device=scores.device)
+        cval = torch.empty(b, h, k_all, dtype=torch.float32, device=scores.device)
+        top_blocks_triton(c_val.view(b, h, cap), k_all, ranked.view(b, h), sort=False,
+                          ids=c_id.view(b, h, cap), out=(cand, cval))  # fmt: skip
+        top_blocks_triton(scores, k_all, over.view(b, h), sort=False, out=(cand, cval),
+                          fill=False)  # fmt: skip
     else:
         cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
     mm = min(m, k_all)

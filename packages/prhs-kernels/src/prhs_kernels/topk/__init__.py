@@ -12,6 +12,7 @@ per process.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -91,10 +92,11 @@ def top_p_indices(
 def seeded_candidates(
     scores: torch.Tensor,
     k: int,
-    seed: torch.Tensor,
+    seed: torch.Tensor | Sequence[torch.Tensor],
     *,
     capacity: int,
     active: torch.Tensor | None = None,
+    seed_rows: torch.Tensor | None = None,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The guess-and-verify passes of a top-``k`` seeded by a nearby set (after TensorRT-LLM's
@@ -102,33 +104,55 @@ def seeded_candidates(
     capacity`` (see :func:`.reference.seeded_candidates_reference`).
 
     ``scores [..., N]`` float32; ``seed [..., S]`` integer ids into the last dim (``-1``: none;
-    distinct within a row), e.g. the ids an anchor's top-``k`` pool held; ``active [...]``:
-    the rows to rank (``None``: all). A row's candidates, the scores reaching the highest of
-    its seed's thresholds that ``k`` scores reach, hold its exact top ``k`` wherever
-    ``overflow`` is false: rank them (ties toward the lower position, which the candidates'
-    order keeps) and redo only the flagged rows over the whole row. On a Triton ``path``: three
-    launches (the thresholds, a program per row; the counts and the collection, a program per
-    chunk of a row), which read each row twice."""
+    distinct within a row), e.g. the ids an anchor's top-``k`` pool held, or two such tensors
+    ``[..., S1]``, ``[..., S2]`` whose ids a row takes together (read in place: no
+    concatenation); with ``seed_rows [L]`` (integer, ``L`` the scores' first dim), the seeds'
+    first dim is another (``[N_s, ...]``) and row ``b`` reads seed row ``seed_rows[b]`` (a
+    state's per-slot pools, read at a batch's slots). ``active [...]``: the rows to rank
+    (``None``: all). A row's candidates, the scores reaching the highest of its seed's
+    thresholds that ``k`` scores reach, hold its exact top ``k`` wherever ``overflow`` is false:
+    rank them (ties toward the lower position, which the candidates' order keeps) and redo only
+    the flagged rows over the whole row. On a Triton ``path``: three launches (the thresholds, a
+    program per row; the counts and the collection, a program per chunk of a row), which read
+    each row twice."""
     check_float_tensor("scores", scores, min_ndim=1)
     check_int("k", k, minimum=1)
     check_int("capacity", capacity, minimum=k)
-    check_index_tensor("seed", seed, ndim=scores.ndim)
-    if tuple(seed.shape[:-1]) != tuple(scores.shape[:-1]) or seed.shape[-1] < 1:
-        raise ValueError(
-            f"seed [..., S] must have scores' leading dims {list(scores.shape[:-1])} and S >= 1, "
-            f"got {shape_str(seed)}"
-        )
+    seeds = (seed,) if isinstance(seed, torch.Tensor) else tuple(seed)
+    if not 1 <= len(seeds) <= 2:
+        raise ValueError(f"seed must be a tensor or two, got {len(seeds)}")
+    lead = tuple(scores.shape[:-1])
+    if seed_rows is not None:
+        check_index_tensor("seed_rows", seed_rows, ndim=1)
+        if scores.ndim < 2 or seed_rows.shape[0] != scores.shape[0]:
+            raise ValueError(
+                f"seed_rows must be [L] with L the first dim of scores [L, ..., N], got "
+                f"{shape_str(seed_rows)} for scores {shape_str(scores)}"
+            )
+        check_device(("scores", "seed_rows"), (scores, seed_rows))
+    for i, s in enumerate(seeds):
+        name = "seed" if len(seeds) == 1 else f"seed[{i}]"
+        check_index_tensor(name, s, ndim=scores.ndim)
+        want = lead if seed_rows is None else lead[1:]
+        got = tuple(s.shape[:-1]) if seed_rows is None else tuple(s.shape[1:-1])
+        if got != want or s.shape[-1] < 1 or (seed_rows is not None and s.shape[0] < 1):
+            where = "scores' leading dims" if seed_rows is None else "scores' dims after the first"
+            raise ValueError(
+                f"{name} [..., S] must have the {where} {list(want)} and S >= 1, got {shape_str(s)}"
+            )
+        check_device(("scores", name), (scores, s))
     if active is not None:
-        check_bool_mask("active", active, tuple(scores.shape[:-1]))
+        check_bool_mask("active", active, lead)
         check_device(("scores", "active"), (scores, active))
-    check_device(("scores", "seed"), (scores, seed))
     if path.startswith("triton") and scores.dtype == torch.float32:
         from prhs_kernels.topk.triton import seeded_candidates_triton
 
         announce("seeded_candidates", path, scores.device)
         on = active if active is not None else torch.ones_like(scores[..., 0], dtype=torch.bool)
-        cval, cidx, over = seeded_candidates_triton(scores, k, seed, capacity, on)
-        lead = scores.shape[:-1]
+        cval, cidx, over, _ = seeded_candidates_triton(scores, k, seeds, capacity, on, seed_rows)
         return cval.view(*lead, capacity), cidx.view(*lead, capacity), over.view(lead)
     announce("seeded_candidates", "torch", scores.device)
-    return seeded_candidates_reference(scores, k, seed, capacity, active)
+    if seed_rows is not None:
+        seeds = tuple(s[seed_rows.long()] for s in seeds)
+    whole = seeds[0] if len(seeds) == 1 else torch.cat([s.to(torch.int64) for s in seeds], -1)
+    return seeded_candidates_reference(scores, k, whole, capacity, active)

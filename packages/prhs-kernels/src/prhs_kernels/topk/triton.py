@@ -190,16 +190,31 @@ def _edge_keys(EDGE, row, E: tl.constexpr):
 
 
 def _seed_edges_kernel(
-    SCORES, SEED, ACTIVE, EDGE, n, stride_row, n_seed, stride_seed, k,
+    SCORES, SEED, SEED2, SROWS, ACTIVE, EDGE, n, stride_row, n_seed, n_seed2, stride_s0,
+    stride_s1, stride_t0, stride_t1, per_row, k,
     E: tl.constexpr, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr, RADIX: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_SEED2: tl.constexpr, HAS_SROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per row: the seed's best and k-th best order keys, and whether they exist.
+    # Row (b, i) of the scores (i < per_row) reads its seed at [SROWS[b] (or b), i]: the ids of
+    # SEED, then SEED2's.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     base = SCORES + row.to(tl.int64) * stride_row
+    b = row // per_row
+    i = (row % per_row).to(tl.int64)
+    if HAS_SROWS:
+        srow = tl.load(SROWS + b).to(tl.int64)
+    else:
+        srow = b.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    sid = tl.load(SEED + row.to(tl.int64) * stride_seed + offs_s, mask=offs_s < n_seed, other=-1)
+    sid = tl.load(SEED + srow * stride_s0 + i * stride_s1 + offs_s, mask=offs_s < n_seed,
+                  other=-1)  # fmt: skip
+    if HAS_SEED2:
+        o2 = offs_s - n_seed
+        sid2 = tl.load(SEED2 + srow * stride_t0 + i * stride_t1 + o2,
+                       mask=(o2 >= 0) & (o2 < n_seed2), other=-1)  # fmt: skip
+        sid = tl.where(offs_s < n_seed, sid, sid2)
     s_in = (sid >= 0) & (sid < n)
     skey = order_key(tl.load(base + sid, mask=s_in, other=float("-inf")))
     s_ok = s_in & (skey > order_key(tl.full([BLOCK_S], float("-inf"), tl.float32)))
@@ -240,13 +255,14 @@ def _seed_count_kernel(
 
 
 def _seed_collect_kernel(
-    SCORES, EDGE, COUNT, CVAL, CIDX, OVER, n, stride_row, n_chunks, chunk, k, cap,
+    SCORES, EDGE, COUNT, CVAL, CIDX, OVER, RANK, n, stride_row, n_chunks, chunk, k, cap,
     E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, chunk): the highest threshold at least k scores of the row reach; the
     # chunk's scores reaching it, written after the earlier chunks'; the last program pads the
-    # buffer and flags the row.
+    # buffer and flags the row: OVER (the whole row must be ranked) or RANK (the candidates
+    # hold its top k), neither for an inactive row.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -287,6 +303,7 @@ def _seed_collect_kernel(
             tl.store(cv + e, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
             tl.store(ci + e, tl.full([BLOCK], -1, tl.int32), mask=pad)
         tl.store(OVER + row, over.to(tl.int8))
+        tl.store(RANK + row, ((state != 0) & ~over).to(tl.int8))
 
 
 @functools.cache
@@ -302,41 +319,60 @@ def _seeded_jit(interpret: bool) -> tuple[object, object, object]:
 def seeded_candidates_triton(
     scores: torch.Tensor,
     k: int,
-    seed: torch.Tensor,
+    seed: torch.Tensor | tuple[torch.Tensor, ...],
     capacity: int,
     active: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launcher's Triton path (arguments checked by
     :func:`prhs_kernels.topk.seeded_candidates`): three launches, the seed's thresholds (a
-    program per row), the counts and the collection (a program per chunk of a row)."""
+    program per row), the counts and the collection (a program per chunk of a row). ``seed``:
+    one or two tensors whose ids a row takes together, read in place (at ``seed_rows`` when
+    given). Returns ``(values [R, C], ids [R, C], overflow [R], ranked [R])`` over the ``R``
+    rows, ``ranked`` the active rows whose candidates hold their top ``k`` (active and not
+    flagged), so that a caller needs no launch to combine the flags."""
     n = scores.shape[-1]
+    lead = scores.shape[:-1]
     rows = scores.numel() // max(n, 1)
     dev = scores.device
     values = scores.reshape(rows, n)
     if values.stride(-1) != 1:
         values = values.contiguous()
-    sd = seed.reshape(rows, seed.shape[-1])
-    if sd.stride(-1) != 1:
-        sd = sd.contiguous()
+    seeds = (seed,) if isinstance(seed, torch.Tensor) else tuple(seed)
+    if not 1 <= len(seeds) <= 2:
+        raise ValueError(f"seed must be one tensor or two, got {len(seeds)}")
+    per_row = max(1, rows // max(lead[0], 1)) if lead else 1
+    views = []
+    for s in seeds:  # [rows of seed_rows' index (or B), per_row, S], strides as they are
+        v = s.reshape(s.shape[0] if lead else 1, per_row, s.shape[-1])
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        views.append(v)
     cval = torch.empty(rows, capacity, dtype=torch.float32, device=dev)
     cidx = torch.empty(rows, capacity, dtype=torch.int32, device=dev)
     over = torch.empty(rows, dtype=torch.bool, device=dev)
+    ranked = torch.empty(rows, dtype=torch.bool, device=dev)
     if rows == 0:
-        return cval, cidx, over
+        return cval, cidx, over, ranked
     t = SEEDED_TUNING
     chunk = max(16, min(t["chunk"], triton.next_power_of_2(max(n, 1))))
     n_chunks = max(1, -(-n // chunk))
     block = min(chunk, 1024)
-    block_s = max(16, triton.next_power_of_2(max(sd.shape[-1], 1)))
+    n_seed = sum(v.shape[-1] for v in views)
+    block_s = max(16, triton.next_power_of_2(max(n_seed, 1)))
     consts = search_constants(t, "radix_bits", "scan_segment", block)
     edges = torch.empty(rows, EDGES + 1, dtype=torch.int32, device=dev)
     counts = torch.empty(rows, n_chunks, EDGES, dtype=torch.int32, device=dev)
     k_edges, k_count, k_collect = _seeded_jit(interpreting())
     flags = active.reshape(rows).contiguous().view(torch.int8)
     pdl = pdl_args(dev, "cis")
+    first, second = views[0], views[-1]
     k_edges[(rows,)](
-        values, sd, flags, edges, n, values.stride(0), sd.shape[-1], sd.stride(0), k,
-        E=EDGES, BLOCK_S=block_s, RADIX_BITS=consts["RADIX_BITS"], RADIX=consts["RADIX"], **pdl,
+        values, first, second, seed_rows if seed_rows is not None else flags, flags, edges, n,
+        values.stride(0), first.shape[-1], second.shape[-1] if len(views) == 2 else 0,
+        first.stride(0), first.stride(1), second.stride(0), second.stride(1), per_row, k,
+        E=EDGES, BLOCK_S=block_s, RADIX_BITS=consts["RADIX_BITS"], RADIX=consts["RADIX"],
+        HAS_SEED2=len(views) == 2, HAS_SROWS=seed_rows is not None, **pdl,
         num_warps=search_warps(block_s),
     )  # fmt: skip
     k_count[(rows, n_chunks)](
@@ -344,8 +380,8 @@ def seeded_candidates_triton(
         num_warps=4,
     )  # fmt: skip
     k_collect[(rows, n_chunks)](
-        values, edges, counts, cval, cidx, over.view(torch.int8), n, values.stride(0), n_chunks,
-        chunk, k, capacity, E=EDGES, BLOCK=block, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
-        SEG=consts["SEG"], **pdl, num_warps=4,
+        values, edges, counts, cval, cidx, over.view(torch.int8), ranked.view(torch.int8), n,
+        values.stride(0), n_chunks, chunk, k, capacity, E=EDGES, BLOCK=block,
+        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), SEG=consts["SEG"], **pdl, num_warps=4,
     )  # fmt: skip
-    return cval, cidx, over
+    return cval, cidx, over, ranked
