@@ -11,7 +11,7 @@ import torch
 from prhs_core import theory
 from prhs_core.registry import selectors
 from prhs_kernels.compose import dilate_indices
-from prhs_selectors.cis import CIS, CISConfig
+from prhs_selectors.cis import CIS, MIN_CENTER_KEYS, CISConfig
 
 
 def _window_blocks(t: int, s: int, n_sink: int, n_local: int) -> set[int]:
@@ -592,7 +592,8 @@ def test_paper_mode_keeps_a_code_row_per_key_and_counts_its_bytes(make_sim, d):
 def test_a_pinned_key_center_codes_every_write_around_it(make_sim):
     """``set_key_center`` before the first write: the codes are taken around the pinned centre
     whatever the first prompt holds (two batches that share a sequence code it alike), and a
-    late, misshapen, non-finite or exact-scorer pin is refused before anything changes."""
+    late, misshapen, non-finite or exact-scorer pin is refused before anything changes.
+    Unpinned, a write shorter than ``MIN_CENTER_KEYS`` leaves the centre at 0."""
     from prhs_kernels.keycodes import key_center
 
     kw = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16, "num_layers": 2, "seed": 4}
@@ -624,14 +625,20 @@ def test_a_pinned_key_center_codes_every_write_around_it(make_sim):
     with pytest.raises(TypeError, match="center"):
         sel.set_key_center(st, center.long())
     assert torch.equal(st.side["cis_center"], before) and not st.side.initialized
-    sim.attach(sel, st)  # the first write fixes the centre: a pin now is too late
-    first = st.side["cis_center"].clone()
-    loc = torch.arange(30)
-    prompt = sim.keys[1][0, :, :30].transpose(0, 1)  # [30, Hkv, D]
-    torch.testing.assert_close(first[1], key_center(loc, prompt))
+    # A first write shorter than MIN_CENTER_KEYS codes around 0 and fixes nothing, but a pin
+    # after it is too late (its codes are written).
+    sim.attach(sel, st)
+    assert not bool(st.side["cis_center"].any())
     with pytest.raises(ValueError, match=r"before the first key is written: layer\(s\) \[0, 1\]"):
         sel.set_key_center(st, center)
-    assert torch.equal(st.side["cis_center"], first)
+    assert not bool(st.side["cis_center"].any())
+    # Unpinned, the first write of MIN_CENTER_KEYS keys or more fixes it: their mean.
+    sel = CIS(CISConfig(budget=8, tau=0.8))
+    sim = make_sim([MIN_CENTER_KEYS], **kw)
+    st = sim.attach(sel)
+    loc = torch.arange(MIN_CENTER_KEYS)
+    prompt = sim.keys[1][0, :, :MIN_CENTER_KEYS].transpose(0, 1)  # [n, Hkv, D]
+    torch.testing.assert_close(st.side["cis_center"][1], key_center(loc, prompt))
     exact = CIS(CISConfig(budget=8, tau=0.8, scorer="exact"))
     with pytest.raises(ValueError, match="applies to paper mode with key codes"):
         exact.set_key_center(make_sim([30], **kw).init_state(exact), center)

@@ -90,6 +90,7 @@ __all__ = [
     "CERTIFICATES",
     "CIS",
     "FALLBACK_TAU",
+    "MIN_CENTER_KEYS",
     "SCORERS",
     "CISConfig",
 ]
@@ -106,6 +107,12 @@ CERTIFICATES = ("page", "global")
 EXPANSIONS = ("dilate", "random")
 #: What a paper-mode retrieval and re-ranking score: 4-bit key codes, or the keys.
 SCORERS = ("int4", "exact")
+
+#: Keys a write must hold (rows, as the host gives them) to fix an unpinned centre of the key
+#: codes: a short write (SGLang's six-token warm-up request) gives a poor mean, and on Qwen2.5-0.5B
+#: (KJV, 4k) codes around it lost a fifth more mass than around a prompt's (beta 0.0209 against
+#: 0.0175; around 0, 0.0314). Codes written before are taken around 0.
+MIN_CENTER_KEYS = 64
 DEFAULT_CERTIFICATE_PAGE = 16
 #: ``tau="auto"``'s defaults: the mean retrieval ratio aimed at, and the prompt queries replayed.
 #: The ratio is lower when reuses re-rank their anchor's pool (``rescore``): they then lose a
@@ -235,10 +242,10 @@ class CISConfig(SelectorConfig):
         ``"exact"``, ``"int4"`` reads half the bytes a step at 4k tokens with the same quality
         (see the CIS docs page), its Triton step is 7-12 % faster at B16 on an H100 (3 %
         slower at B1), and its side cache takes 16 % of a bf16 KV pool's memory. The codes are
-        taken around a centre per layer and KV head: the mean of the first keys written to the
-        layer, or one pinned before any write (:meth:`CIS.set_key_center`, e.g. from a
-        calibration prompt), which makes every request's codes independent of the requests
-        written before or beside it.
+        taken around a centre per layer and KV head: the mean of the first write of at least
+        :data:`MIN_CENTER_KEYS` keys to the layer, or one pinned before any write
+        (:meth:`CIS.set_key_center`, e.g. from a calibration prompt), which makes every
+        request's codes independent of the requests written before or beside it.
     """
 
     budget: int = 64
@@ -505,10 +512,12 @@ class CIS(BaseSelector):
     def set_key_center(self, state: SelectorState, center: torch.Tensor) -> None:
         """Pin the centre ``center [num_layers, Hkv, D]`` (float, finite) that every code row
         of ``state`` is taken around, before its first key is written (paper mode with key
-        codes: ``scorer="int4"``, the default). Without it, the first keys written to each layer
-        fix that layer's centre (:func:`prhs_kernels.keycodes.key_center` of that write), so a
-        state's codes depend on which prompts it was given first; with it, every request's
-        codes are a function of its own keys, whichever requests came before or beside it. A
+        codes: ``scorer="int4"``, the default). Without it, the first write of at least
+        :data:`MIN_CENTER_KEYS` keys to each layer fixes that layer's centre
+        (:func:`prhs_kernels.keycodes.key_center` of that write; codes written before it are
+        taken around 0), so a state's codes depend on which prompts it was given first; with
+        it, every request's codes are a function of its own keys, whichever requests came
+        before or beside it. A
         centre from one calibration prompt serves (e.g. ``key_center`` of its keys per layer):
         on the 4k perplexity runs, another text's centre gave the window's own beta. Host
         checks (a setup call, never inside a step)."""
@@ -525,16 +534,16 @@ class CIS(BaseSelector):
                 f"center must be [num_layers={n_l}, Hkv={h}, D={d}], got {list(center.shape)}"
             )
         check_values_finite("center", center)
-        names = [f"cis_center/{layer}" for layer in range(table.shape[0])]
-        written = [n for n in names if n in state.side.initialized]
+        n_layers = table.shape[0]
+        done = state.side.initialized
+        written = [i for i in range(n_layers) if f"cis_codes/{i}" in done]
         if written:
             raise ValueError(
-                "set_key_center must come before the first key is written: layer(s) "
-                f"{[int(n.split('/')[1]) for n in written]} already coded keys around their "
-                "centre (pin it right after init_state)"
+                f"set_key_center must come before the first key is written: layer(s) {written} "
+                "already coded keys around their centre (pin it right after init_state)"
             )
         table.copy_(center.to(device=table.device, dtype=torch.float32))
-        state.side.initialized.update(names)
+        done.update(f"cis_center/{i}" for i in range(n_layers))
 
     def counts_nonfinite_keys(self) -> bool:
         # The fold finds and counts the non-finite keys (in its one launch on a Triton path).
@@ -556,11 +565,14 @@ class CIS(BaseSelector):
         if self.config.key_codes:
             side = state.side
             center = side["cis_center"][layer]
-            if f"cis_center/{layer}" not in side.initialized:
-                # The first keys written to the layer (a prompt's) fix the centre its codes are
-                # taken around, for every later write and request (host bookkeeping: no read).
+            fixed = f"cis_center/{layer}" in side.initialized
+            if not fixed and locations.shape[0] >= MIN_CENTER_KEYS:
+                # The first write of at least MIN_CENTER_KEYS keys to the layer (a prompt's)
+                # fixes the centre its codes are taken around, for every later write and request
+                # (host bookkeeping: the write's row count, no device read).
                 center.copy_(key_center(locations, key, columns=columns))
                 side.initialized.add(f"cis_center/{layer}")
+            side.initialized.add(f"cis_codes/{layer}")  # set_key_center comes too late now
             write_key_codes(
                 side["cis_codes"][:, layer], locations, key, columns=columns, finite=finite,
                 nonfinite=state.nonfinite if finite is None else None, center=center, path=path,
@@ -599,7 +611,8 @@ class CIS(BaseSelector):
             pool.add_field("anchor_log_delta", (n_l, h), torch.float64, 0.0)
         if self.config.key_codes:
             # One code row per (location, layer, KV head), and per (layer, KV head) the centre
-            # the rows are coded around (set from the first keys written).
+            # the rows are coded around (pinned, or set by the first write of MIN_CENTER_KEYS
+            # keys or more).
             assert state.side is not None
             state.side.add_field("cis_codes", (n_l, h, code_bytes(d)), torch.uint8, 0)
             state.side.add_table("cis_center", (n_l, h, d), torch.float32, 0.0)

@@ -1,7 +1,7 @@
 """Torch reference of compressed keys: 4-bit codes per key with the key's own minimum and step.
 
 A key is coded around a centre ``c`` (one vector per layer and KV head for the whole pool, the
-mean of the first keys written; 0 when none is given): ``k = k − c`` below. Any fixed centre
+mean of a prompt's keys or one a host pins; 0 when none is given): ``k = k − c`` below. Any fixed centre
 gives correct codes, since ``q · c`` is the same for every key of a query head and no score
 depends on it; a good one makes them finer (keys share a large common part, e.g. a projection
 bias, which would otherwise set every key's range).
