@@ -240,7 +240,7 @@ class CISConfig(SelectorConfig):
         is selected. ``None`` (the default) is ``"int4"`` in paper mode and ``"exact"`` in
         certified mode, which refuses ``"int4"`` (its certificate needs exact logits). Against
         ``"exact"``, ``"int4"`` reads half the bytes a step at 4k tokens with the same quality
-        (see the CIS docs page), its Triton step is 7-12 % faster at B16 on an H100 (3 %
+        (see the CIS docs page), its Triton step is 8-13 % faster at B16 on an H100 (5 %
         slower at B1), and its side cache takes 16 % of a bf16 KV pool's memory. The codes are
         taken around a centre per layer and KV head: the mean of the first write of at least
         :data:`MIN_CENTER_KEYS` keys to the layer, or one pinned before any write
@@ -517,10 +517,9 @@ class CIS(BaseSelector):
         (:func:`prhs_kernels.keycodes.key_center` of that write; codes written before it are
         taken around 0), so a state's codes depend on which prompts it was given first; with
         it, every request's codes are a function of its own keys, whichever requests came
-        before or beside it. A
-        centre from one calibration prompt serves (e.g. ``key_center`` of its keys per layer):
-        on the 4k perplexity runs, another text's centre gave the window's own beta. Host
-        checks (a setup call, never inside a step)."""
+        before or beside it. A centre from one calibration prompt serves (e.g. ``key_center``
+        of its keys per layer): on the 4k perplexity runs, another text's centre gave the
+        window's own beta. Host checks (a setup call, never inside a step)."""
         if not self.config.key_codes or state.side is None:
             raise ValueError(
                 "set_key_center applies to paper mode with key codes (scorer='int4', the "

@@ -3,10 +3,10 @@ re-rankings score instead of the keys.
 
 A key ``[D]`` becomes a code row of ``D/2 + 8`` bytes rounded up to a multiple of 16
 (:func:`code_bytes`; :mod:`.reference` states the format): 80 bytes for ``D = 128`` against a
-bf16 key's 256 (31 %), each channel within half a step of the
-key, coded around a centre per layer and KV head (the mean of a prompt's keys,
-:func:`key_center`, or one a host pins), no per-request state. :class:`KeyCodes` names one layer's rows as a scorer
-reads them; :func:`write_key_codes` writes a step's keys into them (one launch on a Triton path,
+bf16 key's 256 (31 %), each channel within half a step of the key, coded around a centre
+per layer and KV head (the mean of a prompt's keys, :func:`key_center`, or one a host pins),
+no per-request state. :class:`KeyCodes` names one layer's rows as a scorer reads them;
+:func:`write_key_codes` writes a step's keys into them (one launch on a Triton path,
 non-finite keys found and counted there); :func:`code_key_layout` is the cache as its
 dequantised keys, the reference every code scorer is tested against; :func:`code_logits` scores
 every cached position from the codes.

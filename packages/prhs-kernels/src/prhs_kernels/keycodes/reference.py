@@ -1,10 +1,10 @@
 """Torch reference of compressed keys: 4-bit codes per key with the key's own minimum and step.
 
 A key is coded around a centre ``c`` (one vector per layer and KV head for the whole pool, the
-mean of a prompt's keys or one a host pins; 0 when none is given): ``k = k − c`` below. Any fixed centre
-gives correct codes, since ``q · c`` is the same for every key of a query head and no score
-depends on it; a good one makes them finer (keys share a large common part, e.g. a projection
-bias, which would otherwise set every key's range).
+mean of a prompt's keys or one a host pins; 0 when none is given): ``k = k − c`` below. Any
+fixed centre gives correct codes, since ``q · c`` is the same for every key of a query head
+and no score depends on it; a good one makes them finer (keys share a large common part, e.g.
+a projection bias, which would otherwise set every key's range).
 
 A key ``k [D]`` is stored as a row of ``D/2 + 8`` bytes rounded up to a multiple of 16 (80 at
 ``D = 128``; one row of a side-cache field, at the key's KV location): ``D`` 4-bit codes

@@ -339,8 +339,6 @@ def seeded_candidates_triton(
     if values.stride(-1) != 1:
         values = values.contiguous()
     seeds = (seed,) if isinstance(seed, torch.Tensor) else tuple(seed)
-    if not 1 <= len(seeds) <= 2:
-        raise ValueError(f"seed must be one tensor or two, got {len(seeds)}")
     per_row = max(1, rows // max(lead[0], 1)) if lead else 1
     views = []
     for s in seeds:  # [rows of seed_rows' index (or B), per_row, S], strides as they are
