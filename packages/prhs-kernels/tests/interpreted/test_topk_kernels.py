@@ -85,3 +85,52 @@ def test_seeds_read_in_place_at_their_rows_match_one_gathered_seed():
     *_, over, ranked = seeded_candidates_triton(x, k, (first, second), 128, active, slots)
     assert torch.equal(over.view(b, h), got[2])
     assert torch.equal(ranked.view(b, h), active & ~got[2])
+
+
+@pytest.mark.parametrize(("n", "k", "cap", "chunk"), [(700, 30, 64, 128), (50, 8, 16, 4096)])
+def test_rows_a_seed_cannot_serve_are_refined_over_the_whole_row(monkeypatch, n, k, cap, chunk):
+    """``whole_rows``: the rows the first pass would flag (a poor seed whose candidates
+    overflow, with ties at its k-th score; no seed; one id many times) get exactly their top k
+    in position order, ties toward the lower position and NaN as -inf, as the reference gives
+    them; no row is flagged; the other rows keep the candidates they had; and the bracket each
+    ranked row is given holds its k-th largest key."""
+    from prhs_kernels.topk.reference import order_keys
+    from prhs_kernels.topk.triton import seeded_candidates_triton
+
+    monkeypatch.setitem(topk_triton.SEEDED_TUNING, "chunk", chunk)
+    gen = torch.Generator().manual_seed(n + 3 * k)
+    rows = 6
+    x = torch.randn(rows, n, generator=gen)
+    x[3, ::3] = torch.topk(x[3], k).values[-1]  # many ties at the poor row's k-th score
+    x[4, :10] = float("nan")
+    s = k + 10
+    best = torch.topk(x.nan_to_num(nan=float("-inf")), s, dim=-1).indices
+    seed = best[:, torch.randperm(s, generator=gen)].to(torch.int32)
+    seed[3] = torch.randperm(n, generator=gen)[:s].to(torch.int32)  # poor
+    seed[4] = -1  # none
+    seed[5, :] = seed[5, 0]  # one id many times
+    active = torch.ones(rows, dtype=torch.bool)
+    active[0] = False
+    flagged = seeded_candidates(x, k, seed, capacity=cap, active=active, path=PATH)
+    got = seeded_candidates(x, k, seed, capacity=cap, active=active, whole_rows=True, path=PATH)
+    want = seeded_candidates_reference(x, k, seed, cap, active, whole_rows=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    vals, ids, over = got
+    assert not bool(over.any())
+    assert bool(flagged[2][4]) and bool(flagged[2][5])
+    if n > 100:
+        assert bool(flagged[2][3])
+    key = order_keys(x)
+    for r in range(1, rows):
+        if flagged[2][r]:  # the exact top k: k winners in position order, ties lower first
+            order = torch.sort(key[r], descending=True, stable=True).indices[:k]
+            assert ids[r][:k].tolist() == sorted(order.tolist())
+            assert bool((ids[r][k:] == -1).all())
+        else:
+            assert torch.equal(ids[r], flagged[1][r]) and torch.equal(vals[r], flagged[0][r])
+    bracket = torch.empty(rows, 2, dtype=torch.int32)
+    seeded_candidates_triton(x, k, seed, cap, active, whole_rows=True, bracket=bracket)
+    kth = torch.topk(key, k, dim=-1).values[:, -1]
+    for r in range(1, rows):
+        assert int(bracket[r, 0]) <= int(kth[r]) <= int(bracket[r, 1]), r

@@ -97,6 +97,7 @@ def seeded_candidates(
     capacity: int,
     active: torch.Tensor | None = None,
     seed_rows: torch.Tensor | None = None,
+    whole_rows: bool = False,
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The guess-and-verify passes of a top-``k`` seeded by a nearby set (after TensorRT-LLM's
@@ -112,9 +113,12 @@ def seeded_candidates(
     (``None``: all). A row's candidates, the scores reaching the highest of its seed's
     thresholds that ``k`` scores reach, hold its exact top ``k`` wherever ``overflow`` is false:
     rank them (ties toward the lower position, which the candidates' order keeps) and redo only
-    the flagged rows over the whole row. On a Triton ``path``: three launches (the thresholds, a
-    program per row; the counts and the collection, a program per chunk of a row), which read
-    each row twice."""
+    the flagged rows over the whole row. ``whole_rows``: no row is flagged; the rows that would
+    be are refined here, their candidates exactly their top ``min(k, N)`` in position order
+    (ties toward the lower position; on a Triton path by one program that reads the row once a
+    search round: a slow path, for rows a seed cannot serve). On a Triton ``path``: three
+    launches (the thresholds, a program per row; the counts and the collection, a program per
+    chunk of a row), which read each row twice."""
     check_float_tensor("scores", scores, min_ndim=1)
     check_int("k", k, minimum=1)
     check_int("capacity", capacity, minimum=k)
@@ -149,10 +153,12 @@ def seeded_candidates(
 
         announce("seeded_candidates", path, scores.device)
         on = active if active is not None else torch.ones_like(scores[..., 0], dtype=torch.bool)
-        cval, cidx, over, _ = seeded_candidates_triton(scores, k, seeds, capacity, on, seed_rows)
+        cval, cidx, over, _ = seeded_candidates_triton(
+            scores, k, seeds, capacity, on, seed_rows, whole_rows=whole_rows
+        )
         return cval.view(*lead, capacity), cidx.view(*lead, capacity), over.view(lead)
     announce("seeded_candidates", "torch", scores.device)
     if seed_rows is not None:
         seeds = tuple(s[seed_rows.long()] for s in seeds)
     whole = seeds[0] if len(seeds) == 1 else torch.cat([s.to(torch.int64) for s in seeds], -1)
-    return seeded_candidates_reference(scores, k, whole, capacity, active)
+    return seeded_candidates_reference(scores, k, whole, capacity, active, whole_rows)

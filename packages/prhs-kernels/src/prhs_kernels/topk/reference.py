@@ -112,6 +112,7 @@ def seeded_candidates_reference(
     seed: torch.Tensor,
     capacity: int,
     active: torch.Tensor | None = None,
+    whole_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values [..., C] float32, ids [..., C] int32, overflow [...] bool)``, ``C =
     capacity``: the guess-and-verify passes of a seeded top-k.
@@ -128,7 +129,9 @@ def seeded_candidates_reference(
     flags the rows where they do (more than ``C``), where the seed has fewer than ``k``
     finite scores (no threshold) or where fewer than ``k`` scores reach it (a seed id listed
     twice): their top ``k`` needs the whole row. Rows not ``active`` get no candidate and no
-    flag."""
+    flag. ``whole_rows``: the rows that would be flagged are refined here instead, their
+    candidates exactly their top ``min(k, N)`` (ties toward the lower position), in position
+    order, and no row is flagged."""
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     e = SEED_EDGES
@@ -155,6 +158,12 @@ def seeded_candidates_reference(
     thr = torch.gather(edges, -1, pick.unsqueeze(-1))
     n_all = torch.gather(total, -1, pick.unsqueeze(-1)).squeeze(-1)
     take = good.unsqueeze(-1) & (key.long() >= thr)
+    overflow = on & (~good | (good & ((n_all > capacity) | (n_all < k))))
+    if whole_rows:  # the flagged rows' exact top k, ties toward the lower position
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : min(k, n)]
+        top = torch.zeros_like(take).scatter_(-1, order, True)
+        take = torch.where(overflow.unsqueeze(-1), top, take)
+        overflow = torch.zeros_like(overflow)
     rank = torch.cumsum(take.to(torch.int64), -1) - 1  # each candidate's place, in order
     keep = take & (rank < capacity)
     values = torch.full((*lead, capacity + 1), float("-inf"), device=x.device)
@@ -163,5 +172,4 @@ def seeded_candidates_reference(
     pos = torch.arange(n, device=x.device, dtype=torch.int32).expand_as(x)
     values.scatter_(-1, at, torch.where(keep, x, float("-inf")))
     ids.scatter_(-1, at, torch.where(keep, pos, -1))
-    overflow = on & (~good | (good & ((n_all > capacity) | (n_all < k))))
     return values[..., :capacity], ids[..., :capacity], overflow

@@ -44,11 +44,13 @@ __all__ = [
     "EDGES",
     "SEEDED_TUNING",
     "kth_largest_key",
+    "kth_largest_key_in",
     "order_key",
     "prefix_count",
     "search_constants",
     "search_warps",
     "seeded_candidates_triton",
+    "take_at",
     "take_top",
 ]
 
@@ -154,6 +156,41 @@ def kth_largest_key(key, ok, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, R
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def kth_largest_key_in(key, k, lo, hi, RADIX: tl.constexpr):
+    """The largest int32 ``t`` with at least ``k`` of ``key``'s lanes ``>= t``, searched in
+    ``[lo, hi]`` only: the caller knows that at least ``k`` keys reach ``lo`` and fewer than
+    ``k`` exceed ``hi`` (``hi`` int32's largest value: no bound). As
+    :func:`kth_largest_key` at ``RADIX`` thresholds a round, but the rounds run only until the
+    interval closes: a narrow bracket (a seed's neighbouring thresholds) takes a few rounds,
+    not ``32 / log2(RADIX)``; ``lo == hi`` takes none. Lanes that may not be picked must hold
+    int32's smallest value."""
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    offs_r = tl.arange(0, RADIX)
+    while lo < hi:
+        cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+        cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
+        j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
+        nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
+        hi = tl.where(j == RADIX - 1, hi, nxt - 1)
+        lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
+    return lo.to(tl.int32)
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def take_at(key, ok, k, thr, BLOCK: tl.constexpr, SEG: tl.constexpr):
+    """``(take, pos)`` as :func:`take_top` returns them, given the ``k``-th largest key ``thr``
+    of the ``ok`` lanes: every key above it and, in lane order, as many keys equal to it as
+    ``k`` still needs."""
+    greater = ok & (key > thr)
+    tie = ok & (key == thr)
+    need = k - tl.sum(greater.to(tl.int32), 0)
+    take = greater | (tie & (prefix_count(tie, BLOCK, SEG) <= need))
+    pos = prefix_count(take, BLOCK, SEG) - 1
+    return take, pos
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def take_top(
     key,
     ok,
@@ -168,12 +205,7 @@ def take_top(
     (``0 .. k - 1``; meaningless elsewhere). ``key`` must hold int32's smallest value on the
     lanes that are not ``ok``."""
     thr = kth_largest_key(key, ok, k, BLOCK, RADIX_BITS, RADIX)
-    greater = ok & (key > thr)
-    tie = ok & (key == thr)
-    need = k - tl.sum(greater.to(tl.int32), 0)
-    take = greater | (tie & (prefix_count(tie, BLOCK, SEG) <= need))
-    pos = prefix_count(take, BLOCK, SEG) - 1
-    return take, pos
+    return take_at(key, ok, k, thr, BLOCK, SEG)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -255,14 +287,17 @@ def _seed_count_kernel(
 
 
 def _seed_collect_kernel(
-    SCORES, EDGE, COUNT, CVAL, CIDX, OVER, RANK, n, stride_row, n_chunks, chunk, k, cap,
+    SCORES, EDGE, COUNT, CVAL, CIDX, OVER, RANK, BRACKET, n, stride_row, n_chunks, chunk, k,
+    cap,
     E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr,
-    PDL: tl.constexpr,
+    WHOLE: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, chunk): the highest threshold at least k scores of the row reach; the
     # chunk's scores reaching it, written after the earlier chunks'; the last program pads the
     # buffer and flags the row: OVER (the whole row must be ranked) or RANK (the candidates
-    # hold its top k), neither for an inactive row.
+    # hold its top k), neither for an inactive row, and writes BRACKET, the keys between which
+    # the row's k-th largest lies. WHOLE: a row that would be flagged is refined by its chunk-0
+    # program alone (_whole_row), and the others leave it be.
     pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -275,6 +310,8 @@ def _seed_collect_kernel(
     total = tl.sum(counts, 0)  # [E], rising with the index (the keys fall)
     j = tl.minimum(tl.sum((total < k).to(tl.int32), 0), E - 1)  # the first edge reaching k
     thr = tl.sum(tl.where(offs_e == j, keys, 0), 0)
+    # The edge above (fewer than k reach it), or no bound for the first one.
+    above = tl.where(j > 0, tl.sum(tl.where(offs_e == j - 1, keys, 0), 0) - 1, 2147483647)
     n_all = tl.sum(tl.where(offs_e == j, total, 0), 0)
     before = tl.sum(tl.sum(tl.where((offs_c < c)[:, None] & (offs_e == j)[None, :], counts, 0),
                            1), 0)  # fmt: skip
@@ -282,9 +319,13 @@ def _seed_collect_kernel(
     ci = CIDX + row.to(tl.int64) * cap
     offs = tl.arange(0, BLOCK)
     over = (state == 1) | (ok & ((n_all > cap) | (n_all < k)))
+    if WHOLE:
+        refine = over
+    else:
+        refine = state < 0  # never
+    base = SCORES + row.to(tl.int64) * stride_row
     done = before
-    if ok:
-        base = SCORES + row.to(tl.int64) * stride_row
+    if ok & ~refine:
         lo = c * chunk
         for t0 in range(lo, tl.minimum(lo + chunk, n), BLOCK):
             pos = t0 + offs
@@ -295,7 +336,20 @@ def _seed_collect_kernel(
             tl.store(cv + at, x, mask=keep)
             tl.store(ci + at, pos, mask=keep)
             done += tl.sum(take.to(tl.int32), 0)
-    if c == n_chunks - 1:
+    if refine:
+        if c == 0:
+            # The k-th largest key lies between the chosen edge and the one above it when
+            # the candidates only overflowed; anywhere when the seed gave no threshold.
+            narrow = ok & (n_all > cap)
+            lo_b = tl.where(narrow, thr, -2147483647 - 1)
+            hi_b = tl.where(narrow, above, 2147483647)
+            kth = _whole_row(base, n, tl.minimum(k, n), lo_b, hi_b, cv, ci, cap, BLOCK, SEG,
+                             RADIX)  # fmt: skip
+            tl.store(OVER + row, tl.full([], 0, tl.int8))
+            tl.store(RANK + row, tl.full([], 1, tl.int8))
+            tl.store(BRACKET + row.to(tl.int64) * 2, kth)
+            tl.store(BRACKET + row.to(tl.int64) * 2 + 1, kth)
+    elif c == n_chunks - 1:
         written = tl.where(ok, tl.minimum(n_all, cap), 0)
         for p0 in range(0, cap, BLOCK):
             e = p0 + offs
@@ -304,6 +358,63 @@ def _seed_collect_kernel(
             tl.store(ci + e, tl.full([BLOCK], -1, tl.int32), mask=pad)
         tl.store(OVER + row, over.to(tl.int8))
         tl.store(RANK + row, ((state != 0) & ~over).to(tl.int8))
+        tl.store(BRACKET + row.to(tl.int64) * 2, thr)
+        tl.store(BRACKET + row.to(tl.int64) * 2 + 1, above)
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _whole_row(base, n, k, lo, hi, CV, CI, cap, BLOCK: tl.constexpr, SEG: tl.constexpr,
+               RADIX: tl.constexpr):  # fmt: skip
+    """The top ``k`` of a row of ``n`` scores at ``base`` (``k <= n``; NaN as ``-inf``, ties
+    toward the lower position), found by one program reading the row from memory: its
+    ``k``-th largest key searched in ``[lo, hi]`` (:func:`kth_largest_key_in`'s contract), a
+    pass counting the keys above it, then the winners written in position order into ``CV`` /
+    ``CI`` (``-inf`` / ``-1`` after them, up to ``cap``). Returns the ``k``-th key. A slow path
+    (the row read once a round): for the rows a seed could not serve."""
+    offs = tl.arange(0, BLOCK)
+    offs_r = tl.arange(0, RADIX)
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    while lo < hi:
+        cut = (lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX).to(tl.int32)
+        acc = tl.zeros([BLOCK, RADIX], tl.int32)
+        for t0 in range(0, n, BLOCK):
+            pos = t0 + offs
+            x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+            kx = tl.where(pos < n, order_key(x), -2147483647 - 1)
+            acc += ((kx[:, None] >= cut[None, :]) & (pos < n)[:, None]).to(tl.int32)
+        cnt = tl.sum(acc, 0)
+        j = tl.sum((cnt >= k).to(tl.int32), 0) - 1
+        nxt = tl.sum(tl.where(offs_r == j + 1, cut.to(tl.int64), 0), 0)
+        hi = tl.where(j == RADIX - 1, hi, nxt - 1)
+        lo = tl.sum(tl.where(offs_r == j, cut.to(tl.int64), 0), 0)
+    kth = lo.to(tl.int32)
+    n_gt = tl.zeros([BLOCK], tl.int32)
+    for t0 in range(0, n, BLOCK):
+        pos = t0 + offs
+        x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+        n_gt += ((pos < n) & (order_key(x) > kth)).to(tl.int32)
+    need = k - tl.sum(n_gt, 0)  # the ties to take, the first ones in position order
+    done = need * 0
+    ties = need * 0
+    for t0 in range(0, n, BLOCK):
+        pos = t0 + offs
+        x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+        x = tl.where(x != x, float("-inf"), x)
+        kx = order_key(x)
+        tie = (pos < n) & (kx == kth)
+        take = ((pos < n) & (kx > kth)) | (tie & (ties + prefix_count(tie, BLOCK, SEG) <= need))
+        at = done + prefix_count(take, BLOCK, SEG) - 1
+        tl.store(CV + at, x, mask=take)
+        tl.store(CI + at, pos, mask=take)
+        done += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
+    for p0 in range(0, cap, BLOCK):
+        e = p0 + offs
+        pad = (e >= done) & (e < cap)
+        tl.store(CV + e, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
+        tl.store(CI + e, tl.full([BLOCK], -1, tl.int32), mask=pad)
+    return kth
 
 
 @functools.cache
@@ -323,6 +434,9 @@ def seeded_candidates_triton(
     capacity: int,
     active: torch.Tensor,
     seed_rows: torch.Tensor | None = None,
+    *,
+    whole_rows: bool = False,
+    bracket: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launcher's Triton path (arguments checked by
     :func:`prhs_kernels.topk.seeded_candidates`): three launches, the seed's thresholds (a
@@ -330,7 +444,13 @@ def seeded_candidates_triton(
     one or two tensors whose ids a row takes together, read in place (at ``seed_rows`` when
     given). Returns ``(values [R, C], ids [R, C], overflow [R], ranked [R])`` over the ``R``
     rows, ``ranked`` the active rows whose candidates hold their top ``k`` (active and not
-    flagged), so that a caller needs no launch to combine the flags."""
+    flagged), so that a caller needs no launch to combine the flags. ``whole_rows``: the
+    collection's chunk-0 program refines each row that would be flagged over its whole row
+    (read from memory once a search round: slow, for the rows a seed cannot serve), so no row
+    is flagged and no launch ranks whole rows. ``bracket [R, 2]`` (int32, written for the
+    ranked rows): two order keys between which each row's ``k``-th largest key lies (equal
+    for a refined row), which a ranking of the candidates can start its search from
+    (:func:`kth_largest_key_in`)."""
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     rows = scores.numel() // max(n, 1)
@@ -377,9 +497,12 @@ def seeded_candidates_triton(
         values, edges, counts, n, values.stride(0), n_chunks, chunk, E=EDGES, BLOCK=block, **pdl,
         num_warps=4,
     )  # fmt: skip
+    if bracket is None:
+        bracket = torch.empty(rows, 2, dtype=torch.int32, device=dev)
     k_collect[(rows, n_chunks)](
-        values, edges, counts, cval, cidx, over.view(torch.int8), ranked.view(torch.int8), n,
-        values.stride(0), n_chunks, chunk, k, capacity, E=EDGES, BLOCK=block,
-        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), SEG=consts["SEG"], **pdl, num_warps=4,
+        values, edges, counts, cval, cidx, over.view(torch.int8), ranked.view(torch.int8),
+        bracket, n, values.stride(0), n_chunks, chunk, k, capacity, E=EDGES, BLOCK=block,
+        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), SEG=consts["SEG"], WHOLE=whole_rows,
+        RADIX=consts["RADIX"], **pdl, num_warps=4,
     )  # fmt: skip
     return cval, cidx, over, ranked
