@@ -780,6 +780,8 @@ def test_retrieval_pool_seeded_by_the_anchor_pool_matches_the_unseeded(monkeypat
     scores = torch.randn(b, h, n, generator=gen)
     scores[0, 1, ::7] = scores[0, 1, 3]  # ties
     scores[2, 0, :50] = float("-inf")
+    scores[2, 1, m + r - 3 :] = float("-inf")  # fewer finite scores than m + r
+    scores[2, 1, 1:6] = scores[2, 1, 0]  # ties among them
     retrieve = torch.tensor([[True, True], [True, False], [True, True]])
     slots = torch.tensor([2, 0, 3])
     best = torch.topk(scores, m + r, dim=-1).indices.to(torch.int32)
@@ -794,6 +796,12 @@ def test_retrieval_pool_seeded_by_the_anchor_pool_matches_the_unseeded(monkeypat
         out[s is None] = (idx, val, nxt)
     for a, b_ in zip(out[True], out[False], strict=True):
         assert torch.equal(a, b_)
+    nxt = torch.full((4, h, r), 7, dtype=torch.int32)
+    idx, val = retrieval_pool(scores, m, r, retrieve, nxt, slots, path="torch")
+    rows = retrieve.unsqueeze(-1)
+    assert torch.equal(torch.where(rows, out[False][0], -1), torch.where(rows, idx, -1))
+    assert torch.equal(torch.where(rows, out[False][1], 0.0), torch.where(rows, val, 0.0))
+    assert torch.equal(out[False][2], nxt)
     # The same seeds as the slots' pools, read in place (anchor_idx, then anchor_next).
     anchor_idx = torch.full((4, h, m), -1, dtype=torch.int32)
     nxt = torch.full((4, h, r), -1, dtype=torch.int32)

@@ -804,9 +804,10 @@ def cis_rescore(
     the keys of the pool's blocks, the sink and the local window: ``(M + R)·s + n_sink + wl``
     key rows per row. On a Triton ``path`` (:func:`cis_path`): the scores in two launches
     (programs of a row's pool split, keys read in place, logits through a scratch row, each
-    split's log-sum-exps merged), the ranking by the top-k kernel and the pools rewritten by a
-    third launch. ``codes``: score the keys' code rows (:class:`prhs_kernels.keycodes.KeyCodes`,
-    ``D/2 + 8`` bytes a key) instead of the keys."""
+    split's log-sum-exps merged), then one program per row ranks its pool and rewrites it (a
+    pool of more than 8192 entries: the top-k kernel, then a rewriting launch). ``codes``:
+    score the keys' code rows (:class:`prhs_kernels.keycodes.KeyCodes`, ``D/2 + 8`` bytes a
+    key) instead of the keys."""
     check_query(query, kv)
     if codes is not None:
         check_key_codes(kv, codes)
@@ -827,6 +828,8 @@ def cis_rescore(
     announce("cis_rescore", path, query.device)
     if path.startswith("triton"):
         from prhs_kernels.cis.triton import (
+            rescore_rank_fits,
+            rescore_rank_write_triton,
             rescore_scores_triton,
             rescore_write_triton,
             top_blocks_fits,
@@ -839,6 +842,9 @@ def cis_rescore(
             codes,
         )  # fmt: skip
         m = anchor_idx.shape[-1]
+        if rescore_rank_fits(scores.shape[-1], m):  # ranked and rewritten in one launch
+            rescore_rank_write_triton(scores, reuse, anchor_idx, anchor_cnt, anchor_next, slots)
+            return
         if top_blocks_fits(scores.shape[-1], m):
             chosen, val = rank(scores, m, reuse)
         else:  # a pool beyond the top-k kernel's reach: the same ranking by torch.topk

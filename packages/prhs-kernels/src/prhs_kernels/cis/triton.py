@@ -41,11 +41,13 @@ from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 from prhs_kernels.topk.triton import (
+    kth_largest_key_in,
     order_key,
     prefix_count,
     search_constants,
     search_warps,
     seeded_candidates_triton,
+    take_at,
     take_top,
 )
 
@@ -56,6 +58,8 @@ __all__ = [
     "TUNING",
     "cis_compose_triton",
     "cis_decide_triton",
+    "rescore_rank_fits",
+    "rescore_rank_write_triton",
     "rescore_scores_triton",
     "rescore_splits",
     "rescore_write_triton",
@@ -82,6 +86,7 @@ TUNING = {
     "rescore_tile_codes": 256,
     "rescore_stages": 4,
     "rescore_write_block": 2048,
+    "pool_rank_warps": 16,
 }
 """Launch parameters. Of the block-score pass: persistent programs per multiprocessor, and the
 work items a row is cut into (each a power of two of positions, from 256 to 1024). On an H200
@@ -1934,6 +1939,100 @@ def rescore_write_triton(
     )  # fmt: skip
 
 
+def _rescore_rank_kernel(
+    SCORES, AIDX, ACNT, ANEXT, SLOTS, REUSE, SCRATCH,
+    stride_ai_n, stride_ai_h, stride_ac_n, stride_ac_h, stride_an_n, stride_an_h,
+    n_pool, m_list, r_next,
+    HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, RADIX_BITS: tl.constexpr,
+    RADIX: tl.constexpr, SEG: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per reusing row, the ranking and the rewrite in one: the row's pool scores
+    # in registers, their top m_list found (ties toward the earlier entry) and sorted, best
+    # first; those with a finite score become the list, every other entry (in pool order) the
+    # next blocks. Every anchor field the row reads is read before the first write.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    row = pid.to(tl.int64)
+    if tl.load(REUSE + pid) != 0:
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        a_base = slot * stride_ai_n + h * stride_ai_h
+        n_base = slot * stride_an_n + h * stride_an_h
+        cnt_off = slot * stride_ac_n + h * stride_ac_h
+        a_cnt = tl.load(ACNT + cnt_off)
+        offs = tl.arange(0, BLOCK)
+        in_pool = offs < n_pool
+        x = tl.load(SCORES + row * n_pool + offs, mask=in_pool, other=float("-inf"))
+        key = tl.where(in_pool, order_key(x), -2147483647 - 1)
+        take, pos = take_top(key, in_pool, m_list, BLOCK, RADIX_BITS, RADIX, SEG)
+        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+        scratch = SCRATCH + row * BLOCK_M
+        tl.store(scratch + pos, comp, mask=take)
+        tl.debug_barrier()
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < m_list
+        cc = tl.load(scratch + offs_m, mask=m_ok, other=-9223372036854775807 - 1)
+        cc = tl.sort(cc, descending=True)
+        lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
+        finite_m = m_ok & ((cc >> 32).to(tl.int32) > order_key(tl.full([BLOCK_M], float("-inf"),
+                                                                         tl.float32)))  # fmt: skip
+        new_list = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, lane, finite_m, m_list)
+        new_list = tl.where(finite_m, new_list, -1)
+        chosen = take & (key > order_key(tl.full([BLOCK], float("-inf"), tl.float32)))
+        rest = in_pool & ~chosen
+        rest_ids = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, offs, rest, m_list)
+        at = prefix_count(rest, BLOCK, SEG) - 1
+        tl.debug_barrier()  # the pool is read whole before it is rewritten
+        tl.store(AIDX + a_base + offs_m, new_list.to(tl.int32), mask=m_ok)
+        tl.store(ACNT + cnt_off, tl.sum((new_list >= 0).to(tl.int32), 0))
+        tl.store(ANEXT + n_base + at, rest_ids.to(tl.int32), mask=rest & (at < r_next))
+
+
+@functools.cache
+def _rescore_rank_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key, as for the other kernels
+    return triton.jit(_rescore_rank_kernel)
+
+
+def rescore_rank_fits(n_pool: int, m_list: int) -> bool:
+    """Whether :func:`rescore_rank_write_triton` ranks pools of ``n_pool`` entries for
+    ``m_list`` (one program holds the pool: at most ``TOPK_ONE_PASS`` entries)."""
+    return 1 <= m_list <= n_pool <= TOPK_ONE_PASS
+
+
+def rescore_rank_write_triton(
+    scores: torch.Tensor,
+    reuse: torch.Tensor,
+    anchor_idx: torch.Tensor,
+    anchor_cnt: torch.Tensor,
+    anchor_next: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The re-ranked pools of the ``reuse [B, Hkv]`` rows, ranked and written in one launch (a
+    program per row, :func:`rescore_rank_fits`): the top ``M`` of ``scores [B, Hkv, M + R]``
+    (best first, ties toward the earlier entry) with a finite score become the list, the other
+    entries, in pool order, the next blocks -- what :func:`top_blocks_triton` then
+    :func:`rescore_write_triton` write, without the ranking's outputs in between."""
+    b, h, n_pool = scores.shape
+    m_list = anchor_idx.shape[-1]
+    if b * h == 0:
+        return
+    dev = scores.device
+    block = _pow2(n_pool, 16)
+    block_m = _pow2(m_list, 16)
+    scratch = torch.empty(b * h, block_m, dtype=torch.int64, device=dev)
+    strides = (*anchor_idx.stride()[:2], *anchor_cnt.stride(), *anchor_next.stride()[:2])
+    consts = search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", block)
+    _rescore_rank_jit(interpreting())[(b * h,)](
+        scores.contiguous(), anchor_idx, anchor_cnt, anchor_next, slots,
+        reuse.contiguous().view(torch.int8), scratch, *strides, n_pool, m_list,
+        anchor_next.shape[-1],
+        HKV=h, BLOCK=block, BLOCK_M=block_m, **consts, **pdl_args(dev, "cis"),
+        num_warps=_topk_warps(block, True),
+    )  # fmt: skip
+
+
 def _pool_rest_kernel(
     CAND, CVAL, PICK, PVAL, ACTIVE, SLOTS, FLAG, LIST, ANEXT,
     stride_an_n, stride_an_h, n_cand, m_list, r_next,
@@ -1988,6 +2087,74 @@ def _pool_rest_jit(interpret: bool) -> object:
     return triton.jit(_pool_rest_kernel)
 
 
+def _pool_rank_kernel(
+    CVAL, CIDX, BRACKET, ACTIVE, SLOTS, SCRATCH, LIST, LVAL, ANEXT,
+    stride_an_n, stride_an_h, cap, k_all, m_list, r_next,
+    HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    RADIX: tl.constexpr, SEG: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per row, the seeded retrieval's last launch: the row's candidates (its
+    # top k_all among them, in position order) held in registers; the top k_all found from
+    # the bracket the collection left, the top m_list of those found and sorted (best first:
+    # the list and its values), the others with a finite score written in position order as
+    # the row's next blocks at its slot (then -1). Ties toward the lower position throughout.
+    # Rows not active: the list -1 / -inf, their next blocks untouched.
+    pdl_wait(PDL)  # before anything is read: see prhs_kernels.pdl
+    pid = tl.program_id(0)
+    row = pid.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_list
+    if tl.load(ACTIVE + pid) != 0:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < cap
+        x = tl.load(CVAL + row * cap + offs, mask=ok, other=float("-inf"))
+        key = tl.where(ok, order_key(x), -2147483647 - 1)
+        lo = tl.load(BRACKET + row * 2)
+        hi = tl.load(BRACKET + row * 2 + 1)
+        thr = kth_largest_key_in(key, k_all, lo, hi, RADIX)
+        take_all, _ = take_at(key, ok, k_all, thr, BLOCK, SEG)
+        key_all = tl.where(take_all, key, -2147483647 - 1)
+        thr_m = kth_largest_key_in(key_all, m_list, thr, tl.full([], 2147483647, tl.int32), RADIX)
+        take_m, pos_m = take_at(key_all, take_all, m_list, thr_m, BLOCK, SEG)
+        # The list: the top m_list compacted (lane order), then sorted by key, lane.
+        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+        scratch = SCRATCH + row * BLOCK_M
+        tl.store(scratch + pos_m, comp, mask=take_m)
+        tl.debug_barrier()
+        cc = tl.load(scratch + offs_m, mask=m_ok, other=-9223372036854775807 - 1)
+        cc = tl.sort(cc, descending=True)
+        lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
+        val = tl.load(CVAL + row * cap + lane, mask=m_ok, other=float("-inf"))
+        val = tl.where(val != val, float("-inf"), val)
+        picked = m_ok & (val > float("-inf"))
+        ids = tl.load(CIDX + row * cap + lane, mask=picked, other=-1)
+        tl.store(LIST + row * m_list + offs_m, tl.where(picked, ids, -1), mask=m_ok)
+        tl.store(LVAL + row * m_list + offs_m, val, mask=m_ok)
+        # The next blocks: the other winners with a finite score, in position order.
+        finite = key > order_key(tl.full([BLOCK], float("-inf"), tl.float32))
+        rest = take_all & ~take_m & finite
+        at = prefix_count(rest, BLOCK, SEG) - 1
+        slot = tl.load(SLOTS + pid // HKV).to(tl.int64)
+        nxt = ANEXT + slot * stride_an_n + (pid % HKV) * stride_an_h
+        cid = tl.load(CIDX + row * cap + offs, mask=rest, other=-1)
+        tl.store(nxt + at, cid, mask=rest & (at < r_next))
+        n_rest = tl.sum(rest.to(tl.int32), 0)
+        offs_r = tl.arange(0, BLOCK_R)
+        for r0 in range(0, r_next, BLOCK_R):
+            e = r0 + offs_r
+            tl.store(nxt + e, tl.full([BLOCK_R], -1, tl.int32), mask=(e >= n_rest) & (e < r_next))
+    else:
+        tl.store(LIST + row * m_list + offs_m, tl.full([BLOCK_M], -1, tl.int32), mask=m_ok)
+        tl.store(LVAL + row * m_list + offs_m, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                 mask=m_ok)  # fmt: skip
+
+
+@functools.cache
+def _pool_rank_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key, as for the other kernels
+    return triton.jit(_pool_rank_kernel)
+
+
 def seeded_capacity(n: int, k: int) -> int:
     """The candidate buffer of a seeded top-``k`` over rows of ``n`` scores: twice ``k``
     rounded up to a power of two, held by one top-k pass; 0 (no seeding) where the row itself
@@ -2023,25 +2190,33 @@ def retrieval_pool_triton(
     current pool, ``anchor_idx`` and ``anchor_next`` at ``slots``, read in place."""
     b, h, n = scores.shape
     k_all = min(m + r, n)
-    cap = seeded_capacity(n, k_all)
-    if (seed is not None or anchor_idx is not None) and cap:
-        # Guess-verify-refine: the candidates reaching the seed's k_all-th score, ranked in
-        # one pass; the rows whose seed gave no threshold or whose candidates overflow are
-        # ranked whole (a launch sequence whose programs find no work where no row is flagged),
-        # into the same outputs, which the candidates' ranking leaves alone for those rows.
-        seeds = (seed,) if seed is not None else (anchor_idx, anchor_next)
-        c_val, c_id, over, ranked = seeded_candidates_triton(
-            scores, k_all, seeds, cap, retrieve, None if seed is not None else slots
-        )
-        cand = torch.empty(b, h, k_all, dtype=torch.int32, device=scores.device)
-        cval = torch.empty(b, h, k_all, dtype=torch.float32, device=scores.device)
-        top_blocks_triton(c_val.view(b, h, cap), k_all, ranked.view(b, h), sort=False,
-                          ids=c_id.view(b, h, cap), out=(cand, cval))  # fmt: skip
-        top_blocks_triton(scores, k_all, over.view(b, h), sort=False, out=(cand, cval),
-                          fill=False)  # fmt: skip
-    else:
-        cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
     mm = min(m, k_all)
+    cap = seeded_capacity(n, k_all)
+    if (seed is not None or anchor_idx is not None) and cap and b * h and mm:
+        # Guess-verify-refine: the candidates reaching the seed's k_all-th score (the rows a
+        # seed cannot serve refined over the whole row, in the same launch), then one program
+        # per row ranks them, sorts the list and writes the next blocks (_pool_rank_kernel).
+        seeds = (seed,) if seed is not None else (anchor_idx, anchor_next)
+        bracket = torch.empty(b * h, 2, dtype=torch.int32, device=scores.device)
+        c_val, c_id, _, ranked = seeded_candidates_triton(
+            scores, k_all, seeds, cap, retrieve, None if seed is not None else slots,
+            whole_rows=True, bracket=bracket,
+        )  # fmt: skip
+        out = torch.empty(b, h, mm, dtype=torch.int32, device=scores.device)
+        val = torch.empty(b, h, mm, dtype=torch.float32, device=scores.device)
+        block_m = _pow2(mm, 16)
+        scratch = torch.empty(b * h, block_m, dtype=torch.int64, device=scores.device)
+        block = _pow2(cap, 16)
+        consts = search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", block)
+        _pool_rank_jit(interpreting())[(b * h,)](
+            c_val, c_id, bracket, ranked.view(torch.int8), slots, scratch, out, val,
+            anchor_next, *anchor_next.stride()[:2], cap, k_all, mm, r,
+            HKV=h, BLOCK=block, BLOCK_M=block_m, BLOCK_R=min(_pow2(r, 16), 1024),
+            RADIX=consts["RADIX"], SEG=consts["SEG"], **pdl_args(scores.device, "cis"),
+            num_warps=TUNING["pool_rank_warps"],
+        )  # fmt: skip
+        return out, val
+    cand, cval = top_blocks_triton(scores, k_all, retrieve, sort=False)
     pick, pval = top_blocks_triton(cval, mm, retrieve)
     out = torch.empty(b, h, mm, dtype=torch.int32, device=scores.device)
     if b * h == 0 or mm == 0:
