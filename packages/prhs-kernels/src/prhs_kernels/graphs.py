@@ -25,7 +25,15 @@ import torch
 
 from prhs_core.checks import check_flag
 
-__all__ = ["ENABLED", "conditional_nodes_supported", "run_if"]
+__all__ = [
+    "ENABLED",
+    "SIDE_STREAMS",
+    "conditional_nodes_supported",
+    "forked",
+    "join",
+    "run_if",
+    "side_stream",
+]
 
 ENABLED = os.environ.get("PRHS_GRAPH_CONDITIONALS", "0").strip().lower() in ("1", "true", "on")
 """Capture :func:`run_if` bodies into conditional nodes where the build supports them. Off by
@@ -76,3 +84,48 @@ def run_if(flag: torch.Tensor) -> Iterator[bool]:
         yield True
     finally:
         graph.end_capture_to_conditional_node()
+
+
+SIDE_STREAMS = os.environ.get("PRHS_SIDE_STREAMS", "1").strip().lower() not in ("0", "false", "off")
+"""Let :func:`forked` run its body on a side stream (on by default; ``PRHS_SIDE_STREAMS=0`` in the
+environment runs every kernel on the current stream, for a comparison). Module-level so that a
+benchmark can compare a step with and without: set it before capturing."""
+
+
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def side_stream(device: torch.device | str) -> torch.cuda.Stream | None:
+    """The side stream of a CUDA ``device`` (one per device, created at its first use), or
+    ``None`` off CUDA or with :data:`SIDE_STREAMS` off."""
+    device = torch.device(device)
+    if device.type != "cuda" or not SIDE_STREAMS:
+        return None
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def forked(device: torch.device | str) -> Iterator[torch.cuda.Stream | None]:
+    """Run the body's kernels on ``device``'s side stream, after everything queued so far on the
+    current stream, so that they overlap what the current stream queues next; yields that
+    stream (``None``: no side stream, :func:`side_stream`, and the body runs in order on the
+    current stream). In a CUDA-graph capture the body becomes a parallel branch of the graph.
+    The caller must :func:`join` the stream before anything reads what the body wrote, keep
+    every tensor the body reads that the current stream allocated alive until then, and give
+    the body no tensor the current stream writes meanwhile. No host synchronisation."""
+    stream = side_stream(device)
+    if stream is None:
+        yield None
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+def join(stream: torch.cuda.Stream | None) -> None:
+    """Make the current stream wait for everything queued on ``stream`` (from :func:`forked`;
+    ``None``: nothing to wait for)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)

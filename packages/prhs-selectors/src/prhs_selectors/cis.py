@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ from prhs_kernels.cis import (
     top_blocks,
 )
 from prhs_kernels.compose import dilate_indices, union_indices
-from prhs_kernels.graphs import run_if
+from prhs_kernels.graphs import forked, join, run_if
 from prhs_kernels.keycodes import KeyCodes, code_bytes, key_center, write_key_codes
 from prhs_kernels.kv import gather_kv, token_locations
 from prhs_kernels.score import max_key_norm, score_keys
@@ -840,26 +841,33 @@ class CIS(BaseSelector):
         else:
             retrieve, bad = cis_decide(*decide_args, slots, kv.seq_lens, **decide_kw)
         n_next = self.rescore_blocks()
+        side = None
         if n_next:
             anchor_next = pool["anchor_next"][:, layer]
-            cis_rescore(
-                query,
-                kv,
-                plan.scaling,
-                ~retrieve & ~bad,
-                anchor["anchor_len"],
-                anchor["anchor_idx"],
-                anchor["anchor_cnt"],
-                anchor_next,
-                slots,
-                block_size=c.block_size,
-                n_sink=c.n_sink,
-                n_local=c.n_local,
-                hold_local=c.hold_local,
-                score=c.block_score,
-                codes=codes,
-                path=path,
-            )
+            reuse = ~retrieve & ~bad  # alive until the join below (read on the side stream)
+            # The re-ranking writes the reusing rows' pools, the retrieval reads and writes the
+            # retrieving rows': disjoint, so on a GPU the re-ranking runs on a side stream,
+            # beside the retrieval (a parallel branch of a captured step), joined before the
+            # composition reads both.
+            with forked(query.device) if path.startswith("triton") else nullcontext() as side:
+                cis_rescore(
+                    query,
+                    kv,
+                    plan.scaling,
+                    reuse,
+                    anchor["anchor_len"],
+                    anchor["anchor_idx"],
+                    anchor["anchor_cnt"],
+                    anchor_next,
+                    slots,
+                    block_size=c.block_size,
+                    n_sink=c.n_sink,
+                    n_local=c.n_local,
+                    hold_local=c.hold_local,
+                    score=c.block_score,
+                    codes=codes,
+                    path=path,
+                )
         m_width = self.anchor_width()
         compose_kw = dict(
             n_sink=c.n_sink, n_local=c.n_local, block_size=c.block_size, m=self.union_m(),
@@ -897,6 +905,7 @@ class CIS(BaseSelector):
                     )  # fmt: skip
                 else:
                     new_idx, new_scores = top_blocks(scores, m_width, retrieve, path=path)
+        join(side)
         if random:  # compose without dilation, then add the random blocks
             n_extra = 2 * c.r * self.dilation_m()
             out_idx = sel.indices.new_empty((*sel.indices.shape[:-1], sel.width - n_extra))
