@@ -382,6 +382,67 @@ def check_topk(out: Any) -> None:
         )
 
 
+def _scores_at(x: Any, idx: Any) -> Any:
+    """``x [R, N]`` at ``idx [R, K]`` (0 where an index is ``-1``)."""
+    return torch.where(idx >= 0, x.gather(-1, idx.long().clamp_min(0)), 0.0)
+
+
+def _chosen(idx: Any, n: int) -> Any:
+    """``[R, N]`` int32: how many times each position is in ``idx [R, K]`` (``-1``: none)."""
+    m = torch.zeros(idx.shape[0], n + 1, dtype=torch.int32, device=idx.device)
+    m.scatter_add_(-1, torch.where(idx >= 0, idx.long(), n), torch.ones_like(idx))
+    return m[:, :n]
+
+
+def check_topk_indices(out: Any) -> None:
+    """``topk_indices``' Triton path (a program per row) against its reference (``torch.topk``)
+    at real sizes: 128 rows of 4096 and 16 384 scores (10 % ``-inf``), an eligibility mask (a
+    row with nothing eligible, one with fewer eligible entries than ``k``), ``k`` 64 and 1024,
+    float32 and bf16. Equal counts, equal scores at the indices in order (NaN as ``-inf``),
+    ``-1`` at the same places, and equal index sets (exactly, and beyond ties at each row's
+    cut: bf16 scores tie often)."""
+    from prhs_kernels.topk import topk_indices, topk_indices_reference, topk_path
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in ((4096, 64), (4096, 1024), (16384, 64), (16384, 1024)):
+            rows = 128
+            x = torch.rand(rows, n, generator=gen, device=DEV)
+            x[x < 0.1] = float("-inf")
+            x = x.to(dtype)
+            ok = torch.rand(rows, n, generator=gen, device=DEV) < 0.8
+            ok[0] = False
+            ok[1, k // 2 :] = False
+            idx, cnt = topk_indices(x, k, ok, path="triton")
+            ref_idx, ref_cnt = topk_indices_reference(x, k, ok)
+            xv = x.float()
+            xv = torch.where(xv.isnan(), float("-inf"), xv)
+            got, want = _chosen(idx, n), _chosen(ref_idx, n)
+            last = (ref_cnt.long() - 1).clamp_min(0).unsqueeze(-1)
+            cut = _scores_at(xv, ref_idx.gather(-1, last))  # each row's last score (0: none)
+            differ = (got != want) & (xv != cut)
+            emit(
+                out,
+                {
+                    "part": "check",
+                    "op": "topk_indices (Triton)",
+                    "path": topk_path(x.device, dtype, n, "triton"),
+                    "dtype": str(dtype),
+                    "rows": rows,
+                    "n": n,
+                    "k": k,
+                    "counts_equal": bool(torch.equal(cnt, ref_cnt)),
+                    "values_equal": bool(torch.equal(_scores_at(xv, idx), _scores_at(xv, ref_idx))),
+                    "minus_one_equal": bool(torch.equal(idx < 0, ref_idx < 0)),
+                    "distinct_and_eligible": bool(
+                        (got <= 1).all() and not (got.bool() & ~ok).any()
+                    ),
+                    "index_sets_equal": bool(torch.equal(got, want)),
+                    "index_sets_equal_beyond_ties": bool(not differ.any()),
+                },
+            )
+
+
 def check_retrieval_pool(out: Any) -> None:
     """CIS's retrieval with ``rescore`` (:func:`prhs_kernels.cis.retrieval_pool`) on its Triton
     path, seeded in place by the slots' pools (``anchor_idx``, ``anchor_next``: good seeds, the
@@ -1178,6 +1239,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--check-selectors: unknown {unknown}; known: {sorted(checks)}")
         if a.check_selectors is None:
             check_topk(out)
+            check_topk_indices(out)
         for key in only:
             check_selector_paths(out, *checks[key])
         if a.check_selectors is None or "louver" in only:

@@ -276,8 +276,8 @@ def layout_name(request) -> str:
 
 
 _PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
-        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.int8: "*i8", torch.uint8: "*u8",
-        torch.bool: "*i1"}  # fmt: skip
+        torch.float64: "*fp64", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+        torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}  # fmt: skip
 
 
 def compile_for_hopper(fn, args: tuple, kw: dict) -> str:

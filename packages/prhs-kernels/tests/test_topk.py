@@ -367,3 +367,57 @@ def test_seeded_candidates_take_two_seeds_at_their_rows():
         seeded_candidates(x, 5, (a, c[:, :2]), capacity=16, seed_rows=rows)
     with pytest.raises(ValueError, match="a tensor or two"):
         seeded_candidates(x, 5, (a, a, a), capacity=16, seed_rows=rows)
+
+
+def test_topk_path_picks_the_triton_kernel_on_cuda_where_it_applies(monkeypatch):
+    """Triton on CUDA for float32 / bf16 / fp16 rows of up to 16 384 scores; the reference for
+    longer rows, float64 or ``PRHS_KERNELS=torch``; the CPU keeps its Numba kernel."""
+    pytest.importorskip("triton")
+    from prhs_kernels.topk import topk_path
+
+    monkeypatch.delenv("PRHS_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert topk_path("cuda", dtype, 16384) == "triton"
+        assert topk_path("cuda", dtype, 16385) == "torch"
+    assert topk_path("cuda", torch.float64, 100) == "torch"
+    assert topk_path("cuda", torch.float32, 100, "torch") == "torch"
+    assert topk_path("cpu", torch.float32, 100) in ("numba", "torch")
+    monkeypatch.setenv("PRHS_KERNELS", "torch")
+    assert topk_path("cuda", torch.float32, 100) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n", "k", "masked"),
+    [(torch.float32, 4096, 64, True), (torch.bfloat16, 16384, 1024, False),
+     (torch.float16, 300, 500, True)],
+    ids=["fp32-N4096-k64", "bf16-N16384-k1024", "fp16-N300-k500"],
+)  # fmt: skip
+def test_the_triton_path_is_one_launch_that_compiles_for_a_hopper_gpu(
+    hopper_compile, catch_launches, dtype, n, k, masked
+):
+    """One launch, a program per row, compiled for sm_90 (the interpreter runs what Triton's
+    compiler may reject); its results under the interpreter: ``interpreted/``."""
+    pytest.importorskip("triton")
+    x = torch.zeros(2, 3, n, dtype=dtype)
+    eligible = torch.ones(2, 3, n, dtype=torch.bool) if masked else None
+    idx, counts = topk_indices(x, k, eligible, path="triton")
+    assert idx.shape == (2, 3, k) and counts.shape == (2, 3)
+    assert [fn.fn.__name__ for fn, _, _ in catch_launches] == ["_topk_rows_kernel"]
+    fn, args, kw = catch_launches[0]
+    assert kw["HAS_ELIG"] is masked
+    assert "ld.global" in hopper_compile(fn, args, kw)
+
+
+def test_topk_bad_input_is_refused_before_any_launch(catch_launches):
+    x = torch.zeros(2, 5)
+    for args, kw, error, match in [
+        ((x, 2), {"path": "cuda"}, ValueError, "path must be one of"),
+        ((x.long(), 2), {"path": "triton"}, TypeError, "scores"),
+        ((x, -1), {"path": "triton"}, ValueError, "k"),
+        ((x, 2, torch.ones(2, 4, dtype=torch.bool)), {"path": "triton"}, ValueError, "eligible"),
+        ((x, 2, torch.ones(2, 5)), {"path": "triton"}, TypeError, "eligible"),
+    ]:
+        with pytest.raises(error, match=match):
+            topk_indices(*args, **kw)
+    assert catch_launches == []

@@ -31,6 +31,7 @@ __all__ = [
     "kernel_path",
     "numba_path",
     "triton_installed",
+    "triton_path",
     "warm_up",
 ]
 
@@ -58,17 +59,25 @@ def _forced_torch() -> bool:
     return value == "torch"
 
 
-def kernel_path(device: torch.device | str, dtype: torch.dtype) -> str:
+def triton_path(device: torch.device | str) -> str:
     """``"triton"`` (compiled, CUDA), ``"triton-interpreter"`` (CPU, ``TRITON_INTERPRET=1``) or
-    ``"torch"`` for an op on ``device`` over a cache of ``dtype``."""
+    ``"torch"`` for an op on ``device`` whatever its dtype: :func:`kernel_path` without the
+    cache dtype's rule, for ops whose kernels take float32 inputs too (a top-k over scores)."""
     dev = torch.device(device)
-    if _forced_torch() or dtype not in HALF_DTYPES or not triton_installed():
+    if _forced_torch() or not triton_installed():
         return "torch"
     if dev.type == "cuda" and not interpreting():
         return "triton"
     if dev.type == "cpu" and interpreting():
         return "triton-interpreter"
     return "torch"
+
+
+def kernel_path(device: torch.device | str, dtype: torch.dtype) -> str:
+    """``"triton"`` (compiled, CUDA), ``"triton-interpreter"`` (CPU, ``TRITON_INTERPRET=1``) or
+    ``"torch"`` for an op on ``device`` over a cache of ``dtype``."""
+    path = triton_path(device)
+    return path if dtype in HALF_DTYPES else "torch"
 
 
 def numba_path(device: torch.device | str) -> bool:

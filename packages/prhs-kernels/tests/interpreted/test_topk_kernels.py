@@ -1,8 +1,15 @@
-"""The seeded top-k's first pass (guess, verify) under Triton's interpreter (run by
-``../test_triton.py``) against its torch reference: the same candidates in the same order and
-the same flags, on rows with ties, NaN and ``-inf`` scores, good, partial, poor, duplicated and
+"""The top-k kernels under Triton's interpreter (run by ``../test_triton.py``) against their
+torch references.
+
+The seeded top-k's first pass (guess, verify): the same candidates in the same order and the
+same flags, on rows with ties, NaN and ``-inf`` scores, good, partial, poor, duplicated and
 empty seeds, candidate buffers that overflow, rows of one chunk and of several, and inactive
-rows."""
+rows.
+
+``topk_indices``' one-program-per-row kernel: a valid top set (any order among equal scores),
+on rows with ties, NaN, ``-inf``, ineligible entries (none eligible, fewer than ``k``), ``k``
+0 and above ``N``, several leading dims, strided inputs, float32, bf16 and fp16; and rows past
+its limit, which take the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +17,13 @@ import pytest
 import torch
 
 from prhs_kernels import paths
-from prhs_kernels.topk import seeded_candidates, seeded_candidates_reference
+from prhs_kernels.topk import (
+    seeded_candidates,
+    seeded_candidates_reference,
+    topk_indices,
+    topk_indices_reference,
+    topk_path,
+)
 from prhs_kernels.topk import triton as topk_triton
 
 PATH = "triton-interpreter"
@@ -134,3 +147,114 @@ def test_rows_a_seed_cannot_serve_are_refined_over_the_whole_row(monkeypatch, n,
     kth = torch.topk(key, k, dim=-1).values[:, -1]
     for r in range(1, rows):
         assert int(bracket[r, 0]) <= int(kth[r]) <= int(bracket[r, 1]), r
+
+
+def _topk_case(lead, n, dtype, seed):
+    """Scores ``[*lead, n]`` of ``dtype`` (ties on a coarse grid, NaN, ``-inf``, ``inf``, signed
+    zeros) and an eligibility mask: the first row every entry eligible, the second none, the
+    third three (fewer than most ``k``)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (*lead, n)
+    x = torch.randn(shape, generator=gen)
+    coarse = torch.rand(shape, generator=gen) < 0.5
+    x = torch.where(coarse, torch.randint(-3, 4, shape, generator=gen).float() / 2, x)
+    odd = torch.rand(shape, generator=gen)
+    x[odd < 0.08] = float("nan")
+    x[(odd >= 0.08) & (odd < 0.16)] = float("-inf")
+    x[(odd >= 0.16) & (odd < 0.18)] = float("inf")
+    x[(odd >= 0.18) & (odd < 0.2)] = -0.0
+    ok = torch.rand(shape, generator=gen) < 0.7
+    flat = ok.view(-1, n)
+    flat[0] = True
+    if flat.shape[0] > 1:
+        flat[1] = False
+    if flat.shape[0] > 2:
+        flat[2] = False
+        flat[2, torch.randperm(n, generator=gen)[: min(3, n)]] = True
+    return x.to(dtype), ok
+
+
+def _check_valid_top(scores, k, eligible, idx, counts):
+    """``(idx, counts)`` meets ``topk_indices_reference``'s contract: the same counts and ``-1``
+    past them, distinct eligible ids whose scores (NaN as ``-inf``) are the reference's, in
+    order, and the same id set wherever no equal score straddles a row's cut."""
+    want_idx, want_cnt = topk_indices_reference(scores, k, eligible)
+    assert idx.dtype == counts.dtype == torch.int32
+    assert idx.shape == want_idx.shape and counts.shape == want_cnt.shape
+    assert torch.equal(counts, want_cnt)
+    assert torch.equal(idx < 0, want_idx < 0)  # -1 exactly past each count
+    n = scores.shape[-1]
+    x = scores.float().reshape(-1, n)
+    x = torch.where(x.isnan(), float("-inf"), x)  # not nan_to_num: it clamps the infinities
+    ok = torch.ones_like(x, dtype=torch.bool) if eligible is None else eligible.reshape(-1, n)
+    got, want = idx.reshape(x.shape[0], k), want_idx.reshape(x.shape[0], k)
+    for r, c in enumerate(counts.reshape(-1).tolist()):
+        g, w = got[r, :c].long(), want[r, :c].long()
+        assert len(set(g.tolist())) == c and bool(ok[r, g].all()), f"row {r}: distinct, eligible"
+        assert torch.equal(x[r, g], x[r, w]), f"row {r}: the reference's scores, in order"
+        if c == 0 or c == int(ok[r].sum()):
+            assert set(g.tolist()) == set(w.tolist()), f"row {r}: every eligible entry"
+            continue
+        cut = x[r, w[-1]]
+        left = ok[r].clone()
+        left[w] = False
+        if not bool((x[r][left] == cut).any()):  # no tie straddles the cut: one top set
+            assert set(g.tolist()) == set(w.tolist()), f"row {r}: the reference's set"
+
+
+TOPK_CASES = [  # (leading dims, N, k)
+    ((5,), 37, 7),
+    ((2, 3), 300, 64),
+    ((4,), 17, 0),
+    ((2, 2), 13, 40),  # k above N
+    ((3,), 1, 1),
+    ((3, 1, 2), 100, 100),
+]
+
+
+TOPK_IDS = [f"{'x'.join(map(str, c[0]))}xN{c[1]}-k{c[2]}" for c in TOPK_CASES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("lead", "n", "k"), TOPK_CASES, ids=TOPK_IDS)
+def test_topk_indices_kernel_is_a_valid_top_set(lead, n, k, dtype):
+    assert topk_path("cpu", dtype, n, PATH) == PATH
+    x, ok = _topk_case(lead, n, dtype, seed=n + k)
+    for eligible in (ok, None):
+        idx, counts = topk_indices(x, k, eligible, path=PATH)
+        _check_valid_top(x, k, eligible, idx, counts)
+
+
+def test_topk_indices_kernel_reads_strided_rows_and_half_scores():
+    """A strided view of the scores (read in place), an expanded mask (as selectors pass one)
+    and fp16 scores; ties toward the lower position among the ``-inf`` that fill a row."""
+    x, ok = _topk_case((4, 3), 150, torch.float32, seed=5)
+    view = x.transpose(0, 1)[..., ::2]  # [3, 4, 75], rows of stride 2
+    mask = ok[:1, :, :75].expand(4, 3, 75).transpose(0, 1)
+    idx, counts = topk_indices(view, 20, mask, path=PATH)
+    _check_valid_top(view, 20, mask, idx, counts)
+    half = x.to(torch.float16)
+    idx, counts = topk_indices(half, 33, ok, path=PATH)
+    _check_valid_top(half, 33, ok, idx, counts)
+    row = torch.tensor([[float("-inf"), 2.0, float("nan"), float("-inf"), 1.0]])
+    idx, counts = topk_indices(row, 4, path=PATH)
+    assert idx.tolist() == [[1, 4, 0, 2]] and counts.tolist() == [4]
+
+
+def test_topk_indices_rows_past_the_kernel_take_the_reference(monkeypatch):
+    """Rows longer than one program holds (``TOPK_MAX_N``, made small here) take the reference
+    (the Numba kernel on the CPU), with the same contract, and no launch."""
+    monkeypatch.setattr(topk_triton, "TOPK_MAX_N", 64)
+    x, ok = _topk_case((3,), 100, torch.float32, seed=9)
+    assert topk_path("cpu", torch.float32, 100, PATH) in ("numba", "torch")
+    assert topk_path("cpu", torch.float32, 64, PATH) == PATH
+    launched = []
+    kernel = topk_triton.topk_indices_triton
+    monkeypatch.setattr(topk_triton, "topk_indices_triton",
+                        lambda *a: launched.append(a) or kernel(*a))  # fmt: skip
+    idx, counts = topk_indices(x, 10, ok, path=PATH)
+    assert not launched
+    _check_valid_top(x, 10, ok, idx, counts)
+    idx, counts = topk_indices(x[..., :64], 10, ok[..., :64], path=PATH)
+    assert len(launched) == 1
+    _check_valid_top(x[..., :64], 10, ok[..., :64], idx, counts)

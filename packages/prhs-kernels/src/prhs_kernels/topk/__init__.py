@@ -7,6 +7,11 @@ On the CPU both ops run Numba kernels with the CPU references' exact outputs, ti
 (:mod:`prhs_kernels.topk.numba`, chosen by :func:`~prhs_kernels.paths.numba_path`;
 ``PRHS_KERNELS=torch`` keeps the references). The first call compiles them (a few seconds), once
 per process.
+
+On CUDA :func:`topk_indices` runs a Triton kernel, a program per row
+(:func:`.triton.topk_indices_triton`), for float32, bf16 and fp16 scores in rows of up to
+:data:`.triton.TOPK_MAX_N` (16 384); longer rows, float64 scores, ``PRHS_KERNELS=torch`` or no
+Triton take the reference (``torch.topk``). :func:`topk_path` says which path a call takes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from prhs_core.checks import (
     check_probability,
     shape_str,
 )
-from prhs_kernels.paths import announce, numba_path
+from prhs_kernels.paths import announce, numba_path, triton_path
 from prhs_kernels.topk.reference import (
     seeded_candidates_reference,
     top_p_indices_reference,
@@ -40,7 +45,14 @@ __all__ = [
     "top_p_indices_reference",
     "topk_indices",
     "topk_indices_reference",
+    "topk_path",
 ]
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Score dtypes :func:`topk_indices`' Triton kernel takes (it ranks them in float32)."""
+
+PATHS = ("torch", "triton", "triton-interpreter")
+"""The paths :func:`topk_indices` may be asked for."""
 
 
 @functools.cache
@@ -52,16 +64,57 @@ def _numba() -> ModuleType:
     return kernels
 
 
+@functools.cache
+def _triton() -> ModuleType:
+    """The Triton kernels' module, imported at its first use (importing Triton is slow)."""
+    from prhs_kernels.topk import triton as kernels
+
+    return kernels
+
+
+def topk_path(
+    device: torch.device | str, dtype: torch.dtype, n: int, path: str | None = None
+) -> str:
+    """The path :func:`topk_indices` takes over rows of ``n`` scores of ``dtype`` on ``device``:
+    ``"triton"`` / ``"triton-interpreter"`` (the one-program-per-row kernel), ``"numba"`` or
+    ``"torch"`` (the reference). ``path`` ``None`` chooses: the Triton kernel on CUDA
+    (:func:`~prhs_kernels.paths.triton_path`); a Triton ``path`` asks for it (tests:
+    ``"triton-interpreter"`` on the CPU under ``TRITON_INTERPRET=1``). The kernel applies to
+    float32, bf16 and fp16 rows of at most :data:`.triton.TOPK_MAX_N` scores; elsewhere, and
+    for ``path="torch"``, the Numba kernel on the CPU (:func:`~prhs_kernels.paths.numba_path`)
+    or the reference. A ``path`` not in :data:`PATHS` raises ``ValueError``."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {path!r}")
+    dev = torch.device(device)
+    if path is None:
+        path = "triton" if dev.type == "cuda" and triton_path(dev) == "triton" else "torch"
+    if path.startswith("triton") and dtype in TRITON_DTYPES and n <= _triton().TOPK_MAX_N:
+        return path
+    return "numba" if numba_path(dev) else "torch"
+
+
 def topk_indices(
-    scores: torch.Tensor, k: int, eligible: torch.Tensor | None = None
+    scores: torch.Tensor, k: int, eligible: torch.Tensor | None = None, *, path: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest eligible ``scores [..., N]``: ``(indices [..., k], counts [...])``,
-    int32, largest first, ``-1`` past each count."""
+    int32, largest first, ``-1`` past each count (see :func:`.reference.topk_indices_reference`:
+    NaN ranks as ``-inf``, an ineligible entry below every eligible one, ``counts =
+    min(eligible, k)``; any order among equal scores).
+
+    ``eligible [..., N]`` bool on the scores' device (``None``: every entry). ``path``
+    (:func:`topk_path`; ``None``: chosen from the device, dtype and ``N``): on CUDA a Triton
+    program per row for float32, bf16 and fp16 rows of up to 16 384 scores, which reads nothing
+    on the host; ``torch.topk`` for longer rows. Bad arguments raise before anything runs."""
     check_float_tensor("scores", scores, min_ndim=1)
     check_int("k", k, minimum=0)
     if eligible is not None:
         check_bool_mask("eligible", eligible, tuple(scores.shape))
-    if numba_path(scores.device):
+        check_device(("scores", "eligible"), (scores, eligible))
+    chosen = topk_path(scores.device, scores.dtype, scores.shape[-1], path)
+    if chosen.startswith("triton"):
+        announce("topk_indices", chosen, scores.device)
+        return _triton().topk_indices_triton(scores, k, eligible)
+    if chosen == "numba":
         announce("topk_indices", "numba", scores.device)
         return _numba().topk_indices_numba(scores, k, eligible)
     return topk_indices_reference(scores, k, eligible)

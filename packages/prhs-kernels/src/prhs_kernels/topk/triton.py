@@ -12,9 +12,14 @@ without sorting it:
   place among them in lane order (:func:`prefix_count`), so that a program can write them
   compacted, in position order, without a sort.
 
-The CIS top-k (:mod:`prhs_kernels.cis.triton`) and Quest's page selection
-(:mod:`prhs_kernels.quest.triton`) are built on them. They are ``triton.jit`` functions inlined
-into the kernels that call them.
+The CIS top-k (:mod:`prhs_kernels.cis.triton`), Quest's page selection
+(:mod:`prhs_kernels.quest.triton`) and :func:`topk_indices_triton` are built on them. They are
+``triton.jit`` functions inlined into the kernels that call them.
+
+:func:`topk_indices_triton` is :func:`prhs_kernels.topk.topk_indices`' CUDA path: a program per
+row of up to :data:`TOPK_MAX_N` scores (float32, bf16 or fp16) finds the row's top ``k`` among
+its eligible entries with :func:`take_top`, writes the winners compacted into a scratch row and
+sorts them there, largest first.
 
 Three kernels launch from here, the guess-and-verify passes of a seeded top-k
 (:func:`seeded_candidates_triton`, after TensorRT-LLM's Guess-Verify-Refine): a program per row
@@ -31,6 +36,7 @@ is flagged for the full top-k.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -43,6 +49,8 @@ from prhs_kernels.topk.reference import SEED_EDGES
 __all__ = [
     "EDGES",
     "SEEDED_TUNING",
+    "TOPK_MAX_N",
+    "TOPK_TUNING",
     "kth_largest_key",
     "kth_largest_key_in",
     "order_key",
@@ -52,11 +60,23 @@ __all__ = [
     "seeded_candidates_triton",
     "take_at",
     "take_top",
+    "topk_indices_triton",
 ]
 
 SEEDED_TUNING = {"chunk": 4096, "radix_bits": 2, "scan_segment": 128}
 """The seeded passes: positions per program of the count and the collection, and the seed's
 search's bits a round and the prefix counts' segment (:func:`search_constants`)."""
+
+TOPK_MAX_N = 16384
+"""Longest row :func:`topk_indices_triton` ranks: one program holds its whole row in registers
+(:func:`search_warps`: 16 warps, 32 keys a thread, at 16 384). Longer rows take the reference
+(``torch.topk``) in :func:`prhs_kernels.topk.topk_indices`."""
+
+TOPK_TUNING = {"radix_bits": 2, "scan_segment": 128, "sort_warps": 8}
+""":func:`topk_indices_triton`'s search (bits a round, the prefix counts' segment:
+:func:`search_constants`) and the fewest warps of its programs, which also sort their winners:
+the values the CIS top-k's one-pass kernel measured best (``prhs_kernels.cis.triton.TUNING``),
+not tuned for this kernel."""
 
 EDGES = SEED_EDGES
 """Thresholds a seeded top-k tries at once, evenly spaced in the scores' order keys from the
@@ -506,3 +526,91 @@ def seeded_candidates_triton(
         RADIX=consts["RADIX"], **pdl, num_warps=4,
     )  # fmt: skip
     return cval, cidx, over, ranked
+
+
+def _topk_rows_kernel(
+    SCORES, ELIG, OUT_IDX, OUT_CNT, SCRATCH, n, k, stride_row, stride_elig,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ELIG: tl.constexpr,
+    RADIX_BITS: tl.constexpr, RADIX: tl.constexpr, SEG: tl.constexpr,
+):  # fmt: skip
+    # One program per row of n scores (n <= BLOCK, k >= 1, min(k, n) <= BLOCK_K): its eligible
+    # lanes' keys, the top min(k, eligible) of them marked and compacted into the row's scratch
+    # as (key << 32) | (INT32_MAX - lane), sorted there largest first (equal keys: the lower
+    # lane first), their lanes written, -1 after them up to k, and the count.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < n
+    x = tl.load(SCORES + row * stride_row + offs, mask=in_row, other=float("-inf"))
+    ok = in_row
+    if HAS_ELIG:
+        ok = ok & (tl.load(ELIG + row * stride_elig + offs, mask=in_row, other=0) != 0)
+    # order_key(-inf) (an eligible -inf or NaN) is above int32's smallest value (ineligible).
+    key = tl.where(ok, order_key(x.to(tl.float32)), -2147483648)
+    kk = tl.minimum(tl.sum(ok.to(tl.int32), 0), k)
+    take, pos = take_top(key, ok, kk, BLOCK, RADIX_BITS, RADIX, SEG)
+    scratch = SCRATCH + row * BLOCK_K
+    comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+    tl.store(scratch + pos, comp, mask=take)
+    tl.debug_barrier()  # the winners are read back, by other threads of this program
+    offs_k = tl.arange(0, BLOCK_K)
+    got = offs_k < kk
+    cc = tl.load(scratch + offs_k, mask=got, other=-9223372036854775807 - 1)
+    cc = tl.sort(cc, descending=True)  # the kk winners first, the padding after
+    lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
+    out = OUT_IDX + row * k
+    tl.store(out + offs_k, tl.where(got, lane, -1), mask=offs_k < k)
+    for p0 in range(BLOCK_K, k, BLOCK_K):  # k above the row: -1 up to k
+        tl.store(out + p0 + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=p0 + offs_k < k)
+    tl.store(OUT_CNT + row, kk)
+
+
+@functools.cache
+def _topk_rows_jit(interpret: bool) -> object:
+    del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when it wraps
+    return triton.jit(_topk_rows_kernel)
+
+
+def topk_indices_triton(
+    scores: torch.Tensor, k: int, eligible: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prhs_kernels.topk.topk_indices` on its Triton path (arguments checked there; rows
+    of ``N <= TOPK_MAX_N`` scores, float32, bf16 or fp16): ``(indices [..., k], counts [...])``
+    int32, the ``k`` largest eligible ``scores [..., N]`` largest first (equal scores: the lower
+    position first, but ``0.0`` above ``-0.0``; NaN ranks as ``-inf``, an ineligible entry
+    below every eligible one), ``counts = min(eligible, k)``, ``-1`` past each count.
+
+    One launch, a program per row; strided rows are read in place where their last dim is
+    contiguous (copied otherwise, ``eligible`` too, e.g. an expanded mask). Nothing is read
+    on the host. ``k`` 0, ``N`` 0 or no row: nothing launches (``-1`` indices, zero counts)."""
+    n = scores.shape[-1]
+    lead = tuple(scores.shape[:-1])
+    rows = math.prod(lead)
+    dev = scores.device
+    if n > TOPK_MAX_N:
+        raise ValueError(f"rows of {n} scores exceed the Triton top-k's {TOPK_MAX_N}")
+    if k == 0 or n == 0 or rows == 0:
+        idx = torch.full((*lead, k), -1, dtype=torch.int32, device=dev)
+        return idx, torch.zeros(lead, dtype=torch.int32, device=dev)
+    values = scores.reshape(rows, n)
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    if eligible is not None:
+        flags = eligible.reshape(rows, n)
+        if flags.stride(-1) != 1:
+            flags = flags.contiguous()
+        flags = flags.view(torch.int8)
+    else:
+        flags = values  # unread
+    idx = torch.empty(*lead, k, dtype=torch.int32, device=dev)
+    counts = torch.empty(lead, dtype=torch.int32, device=dev)
+    block = max(16, triton.next_power_of_2(n))
+    block_k = max(16, triton.next_power_of_2(min(k, n)))
+    scratch = torch.empty(rows, block_k, dtype=torch.int64, device=dev)
+    t = TOPK_TUNING
+    _topk_rows_jit(interpreting())[(rows,)](
+        values, flags, idx, counts, scratch, n, k, values.stride(0), flags.stride(0),
+        BLOCK=block, BLOCK_K=block_k, HAS_ELIG=eligible is not None,
+        **search_constants(t, "radix_bits", "scan_segment", block),
+        num_warps=max(search_warps(block), t["sort_warps"]),
+    )  # fmt: skip
+    return idx, counts
