@@ -79,3 +79,53 @@ def test_a_captured_body_runs_only_when_the_flag_is_true(monkeypatch, enabled):
     torch.cuda.synchronize()
     assert after.tolist() == [5.0] * 4
     assert x.tolist() == ([3.0] * 4 if enabled else [5.0] * 4)
+
+
+def test_off_cuda_or_switched_off_a_forked_body_runs_in_order(monkeypatch):
+    """``forked`` yields no stream off CUDA, or on CUDA with ``SIDE_STREAMS`` off (the default
+    until measured): the body runs on the current stream and ``join(None)`` waits for nothing."""
+    from prhs_kernels.graphs import forked, join, side_stream
+
+    assert graphs.SIDE_STREAMS is False
+    monkeypatch.setattr(graphs, "SIDE_STREAMS", True)
+    assert side_stream("cpu") is None
+    x = torch.zeros(2)
+    with forked("cpu") as stream:
+        x += 1
+    join(stream)
+    assert stream is None and x.tolist() == [1.0, 1.0]
+    monkeypatch.setattr(graphs, "SIDE_STREAMS", False)
+    assert side_stream("cuda:0") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_forked_body_overlaps_and_joins_in_a_captured_graph(monkeypatch):
+    """On a side stream the body runs beside what the current stream queues next, eager and
+    captured; after ``join`` the current stream sees what it wrote."""
+    from prhs_kernels.graphs import forked, join
+
+    monkeypatch.setattr(graphs, "SIDE_STREAMS", True)
+    a = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    b = torch.zeros_like(a)
+    c = torch.zeros_like(a)
+    out = torch.zeros(2, device="cuda")
+
+    def step():
+        with forked(a.device) as stream:
+            b.copy_(a * 2)
+        c.copy_(a + 1)
+        join(stream)
+        out.copy_(torch.stack([b.sum(), c.sum()]))
+
+    step()
+    want = out.clone()
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    b.zero_()
+    c.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -86,10 +86,11 @@ def run_if(flag: torch.Tensor) -> Iterator[bool]:
         graph.end_capture_to_conditional_node()
 
 
-SIDE_STREAMS = os.environ.get("PRHS_SIDE_STREAMS", "1").strip().lower() not in ("0", "false", "off")
-"""Let :func:`forked` run its body on a side stream (on by default; ``PRHS_SIDE_STREAMS=0`` in the
-environment runs every kernel on the current stream, for a comparison). Module-level so that a
-benchmark can compare a step with and without: set it before capturing."""
+SIDE_STREAMS = os.environ.get("PRHS_SIDE_STREAMS", "0").strip().lower() in ("1", "true", "on")
+"""Let :func:`forked` run its body on a side stream. Off by default (``PRHS_SIDE_STREAMS=1`` in the
+environment turns it on) until a captured step with it has been checked equal to eager and
+timed on a GPU, as :data:`ENABLED` waits. Module-level so that a benchmark can compare a step
+with and without: set it before capturing."""
 
 
 @functools.cache

@@ -846,9 +846,9 @@ class CIS(BaseSelector):
             anchor_next = pool["anchor_next"][:, layer]
             reuse = ~retrieve & ~bad  # alive until the join below (read on the side stream)
             # The re-ranking writes the reusing rows' pools, the retrieval reads and writes the
-            # retrieving rows': disjoint, so on a GPU the re-ranking runs on a side stream,
-            # beside the retrieval (a parallel branch of a captured step), joined before the
-            # composition reads both.
+            # retrieving rows': disjoint, so on a GPU the re-ranking may run on a side stream
+            # (prhs_kernels.graphs.SIDE_STREAMS), beside the retrieval (a parallel branch of a
+            # captured step), joined before the composition reads both.
             with forked(query.device) if path.startswith("triton") else nullcontext() as side:
                 cis_rescore(
                     query,
