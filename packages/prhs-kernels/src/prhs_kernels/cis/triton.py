@@ -49,6 +49,7 @@ from prhs_kernels.topk.triton import (
     seeded_candidates_triton,
     take_at,
     take_top,
+    winners_in_order,
 )
 
 __all__ = [
@@ -802,15 +803,10 @@ def _topk_program(
         x = tl.load(SCORES + src + offs, mask=ok, other=float("-inf"))
         key = tl.where(ok, order_key(x), -2147483648)
         take, pos = take_top(key, ok, k_here, BLOCK, RADIX_BITS, RADIX, SEG)
-        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-        scratch = SCRATCH + slot * BLOCK_K
-        tl.store(scratch + pos, comp, mask=take)
-        tl.debug_barrier()
+        # Largest first with SORT; else the compacted order, which is by position.
+        at, _ = winners_in_order(key, take, pos, SCRATCH + slot * BLOCK_K, k_here, BLOCK,
+                                 BLOCK_K, SORT)  # fmt: skip
         got = offs_k < k_here
-        cc = tl.load(scratch + offs_k, mask=got, other=-9223372036854775807 - 1)
-        if SORT:  # largest first; else the compacted order, which is by position
-            cc = tl.sort(cc, descending=True)
-        at = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)  # position within the chunk
         val = tl.load(SCORES + src + at, mask=got, other=float("-inf"))
         val = tl.where(val != val, float("-inf"), val)
         if HAS_IDX:
@@ -1140,9 +1136,6 @@ def top_blocks_triton(
     sort: bool = True,
     compose: dict | None = None,
     lse: dict | None = None,
-    ids: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fill: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [..., k] int32, values [..., k])`` of the active rows of ``scores [..., N]``
     (``k <= N``, :func:`top_blocks_fits`), largest first (``sort=False``: in position order, a
@@ -1151,11 +1144,7 @@ def top_blocks_triton(
     arguments by name, ``ANY`` and ``HAS_ANY``; ``sort`` on): the last pass also composes each
     active row (``cis_compose``'s ``retrieving_only``) in the program that ranked it. ``lse``
     (:func:`_score_chunk`'s arguments by the ``_topk_kernel``'s names): ``scores`` is only
-    written, each first-pass program scoring its active row's chunk there before ranking it.
-    ``ids [..., N]`` (int32): ``scores`` are candidates whose ids these are, in increasing id
-    order (a seeded top-k's candidates); the indices returned are theirs. ``out``: the two
-    outputs to write (contiguous ``[..., k]`` int32 and float32); ``fill`` off: inactive rows
-    are left as they are there (so that two rankings of disjoint rows can share one output)."""
+    written, each first-pass program scoring its active row's chunk there before ranking it."""
     n = scores.shape[-1]
     plan = _topk_plan(n, k)
     if plan is None:
@@ -1163,11 +1152,8 @@ def top_blocks_triton(
     rows = scores.numel() // max(n, 1)
     dev = scores.device
     flags = active.contiguous().view(torch.int8)
-    if out is None:
-        idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=dev)
-        val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
-    else:
-        idx, val = out
+    idx = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=dev)
+    val = torch.empty(*scores.shape[:-1], k, dtype=torch.float32, device=dev)
     block_k = _pow2(k, 2)
     *_, topk = _kernels(interpreting())
     search_constants(TUNING, "topk_radix_bits", "topk_scan_segment", 16)  # checked up front
@@ -1179,14 +1165,7 @@ def top_blocks_triton(
     if n and values.stride(-1) != 1:
         values = values.contiguous()
     stride = values.stride(0) if n else 0
-    has_ids = ids is not None
-    if ids is None:
-        ids = values  # unread until a pass ranks candidates
-    else:
-        ids = ids.reshape(rows, n)
-        if values.stride(0) != n or ids.stride(0) != n:  # the passes read both at one stride
-            values, ids = values.contiguous(), ids.contiguous()
-            stride = n
+    ids, has_ids = values, False  # unread until a pass ranks the first pass's winners
     for length, chunk, chunks in plan:
         last = chunks == 1
         out_idx = idx if last else torch.empty(rows, chunks * k, dtype=torch.int32, device=dev)
@@ -1195,7 +1174,7 @@ def top_blocks_triton(
         block = _pow2(chunk, 16)
         score = _unread_lse(values) if lse is None or has_ids else {**lse, "FROM_LSE": True}
         # Only the last pass's output is read for every row: earlier ones skip the idle rows.
-        kernel, extra = topk, {**score, "FILL": last and fill}
+        kernel, extra = topk, {**score, "FILL": last}
         if last and compose is not None:
             # The composition's own arguments name the row's sequence lengths, windows and
             # group (LENS, n_sink, n_local, HKV, G, BS): the scoring takes those.
@@ -1966,17 +1945,11 @@ def _rescore_rank_kernel(
         x = tl.load(SCORES + row * n_pool + offs, mask=in_pool, other=float("-inf"))
         key = tl.where(in_pool, order_key(x), -2147483647 - 1)
         take, pos = take_top(key, in_pool, m_list, BLOCK, RADIX_BITS, RADIX, SEG)
-        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-        scratch = SCRATCH + row * BLOCK_M
-        tl.store(scratch + pos, comp, mask=take)
-        tl.debug_barrier()
+        lane, key_m = winners_in_order(key, take, pos, SCRATCH + row * BLOCK_M, m_list, BLOCK,
+                                       BLOCK_M, True)  # fmt: skip
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < m_list
-        cc = tl.load(scratch + offs_m, mask=m_ok, other=-9223372036854775807 - 1)
-        cc = tl.sort(cc, descending=True)
-        lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
-        finite_m = m_ok & ((cc >> 32).to(tl.int32) > order_key(tl.full([BLOCK_M], float("-inf"),
-                                                                         tl.float32)))  # fmt: skip
+        finite_m = m_ok & (key_m > order_key(tl.full([BLOCK_M], float("-inf"), tl.float32)))
         new_list = _pool_ids(AIDX, ANEXT, a_base, a_cnt, n_base, lane, finite_m, m_list)
         new_list = tl.where(finite_m, new_list, -1)
         chosen = take & (key > order_key(tl.full([BLOCK], float("-inf"), tl.float32)))
@@ -2116,14 +2089,9 @@ def _pool_rank_kernel(
         key_all = tl.where(take_all, key, -2147483647 - 1)
         thr_m = kth_largest_key_in(key_all, m_list, thr, tl.full([], 2147483647, tl.int32), RADIX)
         take_m, pos_m = take_at(key_all, take_all, m_list, thr_m, BLOCK, SEG)
-        # The list: the top m_list compacted (lane order), then sorted by key, lane.
-        comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-        scratch = SCRATCH + row * BLOCK_M
-        tl.store(scratch + pos_m, comp, mask=take_m)
-        tl.debug_barrier()
-        cc = tl.load(scratch + offs_m, mask=m_ok, other=-9223372036854775807 - 1)
-        cc = tl.sort(cc, descending=True)
-        lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
+        # The list: the top m_list sorted by key, then lane.
+        lane, _ = winners_in_order(key, take_m, pos_m, SCRATCH + row * BLOCK_M, m_list, BLOCK,
+                                   BLOCK_M, True)  # fmt: skip
         val = tl.load(CVAL + row * cap + lane, mask=m_ok, other=float("-inf"))
         val = tl.where(val != val, float("-inf"), val)
         picked = m_ok & (val > float("-inf"))

@@ -61,6 +61,7 @@ __all__ = [
     "take_at",
     "take_top",
     "topk_indices_triton",
+    "winners_in_order",
 ]
 
 SEEDED_TUNING = {"chunk": 4096, "radix_bits": 2, "scan_segment": 128}
@@ -156,22 +157,11 @@ def kth_largest_key(key, ok, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, R
             prefix = prefix | (j << (24 - 8 * r))
         thr = prefix ^ -2147483648
     else:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        # The largest t with #{key >= t} >= k, RADIX_BITS bits a round: each round counts the
-        # keys at or above 2^RADIX_BITS thresholds cutting [lo, hi] into equal parts in one
-        # reduction, and keeps the part holding t (fewer dependent reductions than a
-        # bisection, which is what bounds a program that holds its whole row).
-        offs_r = tl.arange(0, RADIX)
-        for _ in range(32 // RADIX_BITS):
-            cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
-            # The keys compare in int32 (5-9 % faster than int64).
-            cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
-            j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
-            nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
-            hi = tl.where(j == RADIX - 1, hi, nxt - 1)
-            lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
-        thr = lo.to(tl.int32)
+        # RADIX_BITS bits a round over every key (:func:`kth_largest_key_in`): 32 / RADIX_BITS
+        # rounds, each one block-wide count at 2^RADIX_BITS thresholds (fewer dependent
+        # reductions than a bisection, which is what bounds a program that holds its row).
+        thr = kth_largest_key_in(key, k, tl.full([], -2147483648, tl.int32),
+                                 tl.full([], 2147483647, tl.int32), RADIX)  # fmt: skip
     return thr
 
 
@@ -189,6 +179,7 @@ def kth_largest_key_in(key, k, lo, hi, RADIX: tl.constexpr):
     offs_r = tl.arange(0, RADIX)
     while lo < hi:
         cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+        # The keys compare in int32 (5-9 % faster than int64).
         cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
         j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
         nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
@@ -226,6 +217,25 @@ def take_top(
     lanes that are not ``ok``."""
     thr = kth_largest_key(key, ok, k, BLOCK, RADIX_BITS, RADIX)
     return take_at(key, ok, k, thr, BLOCK, SEG)
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def winners_in_order(key, take, pos, SCRATCH_ROW, n, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SORT: tl.constexpr):  # fmt: skip
+    """``(lane, key)`` ``[BLOCK_N]`` of the ``n`` winners ``take`` marks (``pos``: their
+    places in lane order, as :func:`take_top` gives them): largest key first, ties toward the
+    lower lane, with ``SORT``; in lane order without. Entries at ``n`` and past it are
+    meaningless. The winners go through the program's scratch row ``SCRATCH_ROW`` (``BLOCK_N``
+    int64) as ``(key << 32) | (INT32_MAX - lane)``."""
+    offs = tl.arange(0, BLOCK)
+    comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+    tl.store(SCRATCH_ROW + pos, comp, mask=take)
+    tl.debug_barrier()  # the winners are read back, by other threads of this program
+    offs_n = tl.arange(0, BLOCK_N)
+    cc = tl.load(SCRATCH_ROW + offs_n, mask=offs_n < n, other=-9223372036854775807 - 1)
+    if SORT:
+        cc = tl.sort(cc, descending=True)
+    return 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32), (cc >> 32).to(tl.int32)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -548,15 +558,9 @@ def _topk_rows_kernel(
     key = tl.where(ok, order_key(x.to(tl.float32)), -2147483648)
     kk = tl.minimum(tl.sum(ok.to(tl.int32), 0), k)
     take, pos = take_top(key, ok, kk, BLOCK, RADIX_BITS, RADIX, SEG)
-    scratch = SCRATCH + row * BLOCK_K
-    comp = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-    tl.store(scratch + pos, comp, mask=take)
-    tl.debug_barrier()  # the winners are read back, by other threads of this program
+    lane, _ = winners_in_order(key, take, pos, SCRATCH + row * BLOCK_K, kk, BLOCK, BLOCK_K, True)
     offs_k = tl.arange(0, BLOCK_K)
     got = offs_k < kk
-    cc = tl.load(scratch + offs_k, mask=got, other=-9223372036854775807 - 1)
-    cc = tl.sort(cc, descending=True)  # the kk winners first, the padding after
-    lane = 2147483647 - (cc & 0xFFFFFFFF).to(tl.int32)
     out = OUT_IDX + row * k
     tl.store(out + offs_k, tl.where(got, lane, -1), mask=offs_k < k)
     for p0 in range(BLOCK_K, k, BLOCK_K):  # k above the row: -1 up to k
