@@ -848,7 +848,8 @@ class CIS(BaseSelector):
             # The re-ranking writes the reusing rows' pools, the retrieval reads and writes the
             # retrieving rows': disjoint, so on a GPU the re-ranking may run on a side stream
             # (prhs_kernels.graphs.SIDE_STREAMS), beside the retrieval (a parallel branch of a
-            # captured step), joined before the composition reads both.
+            # captured step), joined before the composition reads both. Not the torch path:
+            # its writes rewrite every row at the batch's slots.
             with forked(query.device) if path.startswith("triton") else nullcontext() as side:
                 cis_rescore(
                     query,
