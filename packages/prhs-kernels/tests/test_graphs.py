@@ -82,11 +82,11 @@ def test_a_captured_body_runs_only_when_the_flag_is_true(monkeypatch, enabled):
 
 
 def test_off_cuda_or_switched_off_a_forked_body_runs_in_order(monkeypatch):
-    """``forked`` yields no stream off CUDA, or on CUDA with ``SIDE_STREAMS`` off (the default
-    until measured): the body runs on the current stream and ``join(None)`` waits for nothing."""
+    """``forked`` yields no stream off CUDA, or on CUDA with ``SIDE_STREAMS`` switched off
+    (``PRHS_SIDE_STREAMS=0``): the body runs on the current stream and ``join(None)`` waits for
+    nothing."""
     from prhs_kernels.graphs import forked, join, side_stream
 
-    assert graphs.SIDE_STREAMS is False
     monkeypatch.setattr(graphs, "SIDE_STREAMS", True)
     assert side_stream("cpu") is None
     x = torch.zeros(2)
@@ -96,6 +96,26 @@ def test_off_cuda_or_switched_off_a_forked_body_runs_in_order(monkeypatch):
     assert stream is None and x.tolist() == [1.0, 1.0]
     monkeypatch.setattr(graphs, "SIDE_STREAMS", False)
     assert side_stream("cuda:0") is None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, True), ("1", True), ("on", True), ("0", False), ("false", False), ("OFF", False)],
+)
+def test_side_streams_are_on_unless_the_environment_switches_them_off(value, expected):
+    """``PRHS_SIDE_STREAMS`` is read at import: unset or anything but ``0`` / ``false`` /
+    ``off`` leaves the side streams on (the default since they were checked on a GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PRHS_SIDE_STREAMS"}
+    if value is not None:
+        env["PRHS_SIDE_STREAMS"] = value
+    code = "import prhs_kernels.graphs as g; print(g.SIDE_STREAMS)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip() == str(expected)
 
 
 @pytest.mark.gpu
