@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from prhs_kernels import paths
 from prhs_kernels.topk import (
@@ -25,6 +27,7 @@ from prhs_kernels.topk import (
     topk_path,
 )
 from prhs_kernels.topk import triton as topk_triton
+from prhs_kernels.topk.triton import kth_largest_key_few, order_key
 
 PATH = "triton-interpreter"
 
@@ -258,3 +261,64 @@ def test_topk_indices_rows_past_the_kernel_take_the_reference(monkeypatch):
     idx, counts = topk_indices(x[..., :64], 10, ok[..., :64], path=PATH)
     assert len(launched) == 1
     _check_valid_top(x[..., :64], 10, ok[..., :64], idx, counts)
+
+
+# --- the k-th key by narrowing, then ranking the few left (kth_largest_key_few) ---------------
+@triton.jit
+def _kth_few_kernel(X, BOUNDS, OUT, SCRATCH, n, k, BLOCK: tl.constexpr, RADIX: tl.constexpr,
+                    FEW: tl.constexpr, BRACKET: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=float("-inf"))
+    key = tl.where(offs < n, order_key(x), -2147483647 - 1)
+    if BRACKET:
+        lo = tl.load(BOUNDS)
+        hi = tl.load(BOUNDS + 1)
+    else:
+        lo = tl.min(tl.where(offs < n, key, 2147483647), 0)
+        hi = tl.full([], 2147483647, tl.int32)
+    tl.store(OUT, kth_largest_key_few(key, k, lo, hi, SCRATCH, BLOCK, RADIX, FEW, 16))
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    bits = x.view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@pytest.mark.parametrize("few", [16, 128])
+@pytest.mark.parametrize("bracket", [False, True])
+def test_kth_key_by_narrowing_then_ranking_the_few(few, bracket):
+    """``kth_largest_key_few`` returns each row's ``k``-th largest key, whether the rounds end
+    with the interval closed (many equal keys) or with at most ``few`` keys in it, from no
+    bracket or from one around the answer (its ends, one key wide, beyond the keys)."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for n, k in [(1, 1), (37, 37), (37, 1), (300, 100), (1000, 999), (2048, 700), (4096, 1024)]:
+        x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)
+        cases.append((x, k))
+        y = x.clone()
+        y[torch.randperm(n, generator=g)[: n // 2]] = y[0].item()  # half the row ties
+        cases.append((y, k))
+        z = x.clone()
+        z[::3] = float("-inf")
+        z[1::5] = float("nan")
+        cases.append((z, k))
+        cases.append((torch.full((n,), 2.5), k))
+    for x, k in cases:
+        n = x.numel()
+        keys = _order_keys(x)
+        want = torch.sort(keys, descending=True).values[k - 1]
+        block = max(16, 1 << (n - 1).bit_length())
+        bounds = [
+            (want, want),  # closed from the start
+            (torch.min(keys), torch.max(keys)),
+            (want - 1, want + 1),
+            (max(int(torch.min(keys)) - 1000, -(2**31) + 1), 2**31 - 1),  # beyond the keys
+        ]
+        for lo, hi in bounds if bracket else [(0, 0)]:
+            out = torch.zeros(1, dtype=torch.int32)
+            scratch = torch.full((few,), 7, dtype=torch.int32)
+            b = torch.tensor([int(lo), int(hi)], dtype=torch.int32)
+            _kth_few_kernel[(1,)](x, b, out, scratch, n, k, BLOCK=block, RADIX=4, FEW=few,
+                                  BRACKET=bracket)  # fmt: skip
+            assert out.item() == int(want), (n, k, int(lo), int(hi))

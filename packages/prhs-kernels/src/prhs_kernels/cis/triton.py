@@ -41,14 +41,15 @@ from prhs_kernels.pdl import pdl_args, pdl_wait
 from prhs_kernels.score import triton as score_triton
 from prhs_kernels.sparse_decode.triton import _multiprocessors, key_args
 from prhs_kernels.topk.triton import (
-    kth_largest_key_in,
+    FEW_KEYS,
+    kth_largest_key_few,
     order_key,
     prefix_count,
     search_constants,
     search_warps,
     seeded_candidates_triton,
     take_at,
-    take_top,
+    take_top_few,
     winners_in_order,
 )
 
@@ -802,7 +803,8 @@ def _topk_program(
         src = row.to(tl.int64) * stride_row + lo_pos  # a stride of 16k keeps loads vectorised
         x = tl.load(SCORES + src + offs, mask=ok, other=float("-inf"))
         key = tl.where(ok, order_key(x), -2147483648)
-        take, pos = take_top(key, ok, k_here, BLOCK, RADIX_BITS, RADIX, SEG)
+        take, pos = take_top_few(key, ok, k_here, SCRATCH + slot * BLOCK_K, BLOCK_K, BLOCK,
+                                 RADIX_BITS, RADIX, SEG)  # fmt: skip
         # Largest first with SORT; else the compacted order, which is by position.
         at, _ = winners_in_order(key, take, pos, SCRATCH + slot * BLOCK_K, k_here, BLOCK,
                                  BLOCK_K, SORT)  # fmt: skip
@@ -1944,7 +1946,8 @@ def _rescore_rank_kernel(
         in_pool = offs < n_pool
         x = tl.load(SCORES + row * n_pool + offs, mask=in_pool, other=float("-inf"))
         key = tl.where(in_pool, order_key(x), -2147483647 - 1)
-        take, pos = take_top(key, in_pool, m_list, BLOCK, RADIX_BITS, RADIX, SEG)
+        take, pos = take_top_few(key, in_pool, m_list, SCRATCH + row * BLOCK_M, BLOCK_M, BLOCK,
+                                 RADIX_BITS, RADIX, SEG)  # fmt: skip
         lane, key_m = winners_in_order(key, take, pos, SCRATCH + row * BLOCK_M, m_list, BLOCK,
                                        BLOCK_M, True)  # fmt: skip
         offs_m = tl.arange(0, BLOCK_M)
@@ -2066,6 +2069,7 @@ def _pool_rank_kernel(
     HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     RADIX: tl.constexpr, SEG: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    FEW: tl.constexpr = min(FEW_KEYS, 2 * BLOCK_M)  # keys the searches rank in the scratch
     # One program per row, the seeded retrieval's last launch: the row's candidates (its
     # top k_all among them, in position order) held in registers; the top k_all found from
     # the bracket the collection left, the top m_list of those found and sorted (best first:
@@ -2084,10 +2088,12 @@ def _pool_rank_kernel(
         key = tl.where(ok, order_key(x), -2147483647 - 1)
         lo = tl.load(BRACKET + row * 2)
         hi = tl.load(BRACKET + row * 2 + 1)
-        thr = kth_largest_key_in(key, k_all, lo, hi, RADIX)
+        few = (SCRATCH + row * BLOCK_M).to(tl.pointer_type(tl.int32))  # before the winners
+        thr = kth_largest_key_few(key, k_all, lo, hi, few, BLOCK, RADIX, FEW, SEG)
         take_all, _ = take_at(key, ok, k_all, thr, BLOCK, SEG)
         key_all = tl.where(take_all, key, -2147483647 - 1)
-        thr_m = kth_largest_key_in(key_all, m_list, thr, tl.full([], 2147483647, tl.int32), RADIX)
+        thr_m = kth_largest_key_few(key_all, m_list, thr, tl.full([], 2147483647, tl.int32), few,
+                                    BLOCK, RADIX, FEW, SEG)  # fmt: skip
         take_m, pos_m = take_at(key_all, take_all, m_list, thr_m, BLOCK, SEG)
         # The list: the top m_list sorted by key, then lane.
         lane, _ = winners_in_order(key, take_m, pos_m, SCRATCH + row * BLOCK_M, m_list, BLOCK,

@@ -48,10 +48,12 @@ from prhs_kernels.topk.reference import SEED_EDGES
 
 __all__ = [
     "EDGES",
+    "FEW_KEYS",
     "SEEDED_TUNING",
     "TOPK_MAX_N",
     "TOPK_TUNING",
     "kth_largest_key",
+    "kth_largest_key_few",
     "kth_largest_key_in",
     "order_key",
     "prefix_count",
@@ -60,6 +62,7 @@ __all__ = [
     "seeded_candidates_triton",
     "take_at",
     "take_top",
+    "take_top_few",
     "topk_indices_triton",
     "winners_in_order",
 ]
@@ -67,6 +70,10 @@ __all__ = [
 SEEDED_TUNING = {"chunk": 4096, "radix_bits": 2, "scan_segment": 128}
 """The seeded passes: positions per program of the count and the collection, and the seed's
 search's bits a round and the prefix counts' segment (:func:`search_constants`)."""
+
+FEW_KEYS = tl.constexpr(64)
+"""The most keys :func:`kth_largest_key_few` ranks against each other once its rounds have
+narrowed the interval to them (a ``[FEW_KEYS, FEW_KEYS]`` comparison)."""
 
 TOPK_MAX_N = 16384
 """Longest row :func:`topk_indices_triton` ranks: one program holds its whole row in registers
@@ -186,6 +193,69 @@ def kth_largest_key_in(key, k, lo, hi, RADIX: tl.constexpr):
         hi = tl.where(j == RADIX - 1, hi, nxt - 1)
         lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
     return lo.to(tl.int32)
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def kth_largest_key_few(key, k, lo, hi, SCRATCH, BLOCK: tl.constexpr, RADIX: tl.constexpr,
+                        FEW: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+    """:func:`kth_largest_key_in`'s answer (same contract: at least ``k`` keys reach ``lo``,
+    fewer than ``k`` exceed ``hi``) in fewer dependent rounds: ``hi`` is first lowered to the
+    largest key, and the rounds at ``RADIX`` thresholds stop as soon as the interval holds at
+    most ``FEW`` keys; those are then written compacted into ``SCRATCH`` (``FEW`` int32, the
+    program's own) and ranked against each other in one ``[FEW, FEW]`` comparison. A round
+    narrows the interval by about ``RADIX`` in keys as well as in key space where the keys are
+    spread, so 8 192 keys take about four rounds at ``RADIX`` 4 where the interval, a float's
+    exponent and mantissa wide, took 12 to 16. Returns the key (int32)."""
+    hi = tl.minimum(hi, tl.max(key, 0))  # nothing exceeds the largest key: still < k above
+    n_above = tl.sum((key > hi).to(tl.int32), 0)  # keys above the interval
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    n_in = n_above * 0 + FEW + 1  # unknown until a round has counted: one always runs
+    offs_r = tl.arange(0, RADIX)
+    while (lo < hi) & (n_in > FEW):
+        cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+        cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
+        j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
+        last = j == RADIX - 1
+        nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
+        hi = tl.where(last, hi, nxt - 1)
+        n_above = tl.where(last, n_above, tl.sum(tl.where(offs_r == j + 1, cnt, 0), 0))
+        lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
+        n_in = tl.sum(tl.where(offs_r == j, cnt, 0), 0) - n_above
+    thr = lo.to(tl.int32)
+    if lo < hi:  # at most FEW keys in [lo, hi]; the (k - n_above)-th largest of them
+        inside = (key >= thr) & (key <= hi.to(tl.int32))
+        at = prefix_count(inside, BLOCK, SEG) - 1
+        tl.store(SCRATCH + at, key, mask=inside)
+        tl.debug_barrier()  # read back by other threads of this program
+        offs_f = tl.arange(0, FEW)
+        few = tl.load(SCRATCH + offs_f, mask=offs_f < n_in, other=-2147483647 - 1)
+        tl.debug_barrier()  # the scratch is the caller's again
+        want = k - n_above  # 1 <= want <= n_in
+        # The keys with fewer than `want` keys above them are those at least the answer: it
+        # is the least of them (padding lanes have all n_in keys above them).
+        gt = tl.sum((few[None, :] > few[:, None]).to(tl.int32), 1)
+        thr = tl.min(tl.where(gt < want, few, 2147483647), 0)
+    return thr
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def take_top_few(key, ok, k, SCRATCH_ROW, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
+                 RADIX_BITS: tl.constexpr, RADIX: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+    """:func:`take_top` for a program with a scratch row (``SCRATCH_ROW``: ``BLOCK_N`` int64,
+    the row :func:`winners_in_order` then uses): the ``k``-th key by
+    :func:`kth_largest_key_few` between the least and the largest key of the ``ok`` lanes
+    (``k`` at least 1 and at most their number), ranking up to :data:`FEW_KEYS` keys in the
+    scratch; ``RADIX_BITS`` 8 (a histogram a round) keeps :func:`kth_largest_key`."""
+    if RADIX_BITS == 8:
+        thr = kth_largest_key(key, ok, k, BLOCK, RADIX_BITS, RADIX)
+    else:
+        FEW: tl.constexpr = min(FEW_KEYS, 2 * BLOCK_N)
+        lo = tl.min(tl.where(ok, key, 2147483647), 0)
+        thr = kth_largest_key_few(key, k, lo, tl.full([], 2147483647, tl.int32),
+                                  SCRATCH_ROW.to(tl.pointer_type(tl.int32)), BLOCK, RADIX, FEW,
+                                  SEG)  # fmt: skip
+    return take_at(key, ok, k, thr, BLOCK, SEG)
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
@@ -557,7 +627,8 @@ def _topk_rows_kernel(
     # order_key(-inf) (an eligible -inf or NaN) is above int32's smallest value (ineligible).
     key = tl.where(ok, order_key(x.to(tl.float32)), -2147483648)
     kk = tl.minimum(tl.sum(ok.to(tl.int32), 0), k)
-    take, pos = take_top(key, ok, kk, BLOCK, RADIX_BITS, RADIX, SEG)
+    take, pos = take_top_few(key, ok, kk, SCRATCH + row * BLOCK_K, BLOCK_K, BLOCK, RADIX_BITS,
+                             RADIX, SEG)  # fmt: skip
     lane, _ = winners_in_order(key, take, pos, SCRATCH + row * BLOCK_K, kk, BLOCK, BLOCK_K, True)
     offs_k = tl.arange(0, BLOCK_K)
     got = offs_k < kk
