@@ -844,7 +844,10 @@ class CIS(BaseSelector):
         side = None
         if n_next:
             anchor_next = pool["anchor_next"][:, layer]
-            reuse = ~retrieve & ~bad  # alive until the join below (read on the side stream)
+            # ~retrieve & ~bad in one launch, not three: a bad row never retrieves
+            # (cis_decide), so the two flags are equal only where both are false. Alive
+            # until the join below (read on the side stream).
+            reuse = retrieve == bad
             # The re-ranking writes the reusing rows' pools, the retrieval reads and writes the
             # retrieving rows': disjoint, so on a GPU the re-ranking may run on a side stream
             # (prhs_kernels.graphs.SIDE_STREAMS), beside the retrieval (a parallel branch of a

@@ -120,8 +120,9 @@ def cis_decide(
     path: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(retrieve, bad)``, ``[B, Hkv]`` bool each: the rows that retrieve, and the rows skipped
-    because their group's queries hold a non-finite value, counted into ``nonfinite`` (one
-    int64 element) when given (see :func:`.reference.cis_decide_reference`).
+    because their group's queries hold a non-finite value (a skipped row never retrieves:
+    ``retrieve == bad`` marks the reusing rows), counted into ``nonfinite`` (one int64 element)
+    when given (see :func:`.reference.cis_decide_reference`).
 
     ``any_retrieve`` (one bool element, ``SelectorState.retrieving``): set to true when some row
     retrieves, left as it was otherwise; :func:`cis_compose` clears it. Between the two it says
