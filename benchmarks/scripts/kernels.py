@@ -28,10 +28,19 @@ issue. A benchmark, not a test: nothing here asserts a speed.
     Each row prints ms (median of ``triton.testing.do_bench`` or of graph replays), the bytes it
     must read, TB/s achieved on them, and the speedup over the best dense.
 
+``ranking``
+    The rankings of a CIS step alone, graph-replayed, at B1·T16k, B16·T16k and B16·T64k (Hkv 8,
+    budget 1024, ``rescore`` 2048): a seeded retrieval (``retrieval_pool``, a quarter of the rows
+    retrieving, each seeded by a pool near its top ``m + r``; its kernels' eager times from the
+    profiler beside it), a re-ranking's ranking and rewrite (``rescore_rank_write_triton``, the
+    other rows), and ``topk_indices``' kernel; scores uniform in ``[0, 1)`` and log-normal.
+    What the search for the ``k``-th key costs, apart from the step around it.
+
 Usage, from the repository root with every package's ``src`` on ``PYTHONPATH``::
 
     python benchmarks/scripts/kernels.py check --out check.jsonl
     python benchmarks/scripts/kernels.py bench --out bench.jsonl
+    python benchmarks/scripts/kernels.py ranking --out ranking.jsonl
 """
 
 from __future__ import annotations
@@ -1060,6 +1069,69 @@ def step_bench(
     }
 
 
+def ranking(out: Any) -> None:
+    """The ``ranking`` part (module docstring): µs per call, graph-replayed."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from prhs_kernels.cis import retrieval_pool
+    from prhs_kernels.cis import triton as cis_triton
+    from prhs_kernels.topk import triton as topk_triton
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    m, r, h = 1024, 2048, 8
+
+    def scores(b: int, n: int, kind: str) -> torch.Tensor:
+        x = torch.rand(b, h, n, generator=gen, device=DEV)
+        if kind == "lognormal":
+            x = torch.exp(2 * torch.randn(b, h, n, generator=gen, device=DEV))
+        x[..., :4] = float("-inf")  # the sink, as block scores have it
+        return x
+
+    for kind in ("uniform", "lognormal"):
+        for b, n in ((1, 16384), (16, 16384), (16, 65536)):
+            x = scores(b, n, kind)
+            retrieve = torch.rand(b, h, generator=gen, device=DEV) < 0.25
+            retrieve[0, 0] = True
+            slots = torch.arange(b, device=DEV, dtype=torch.int32)
+            near = x * (1 + 0.05 * torch.rand(b, h, n, generator=gen, device=DEV))
+            seed = torch.topk(near, m + r, dim=-1).indices.to(torch.int32)
+            a_idx, a_next = seed[..., :m].contiguous(), seed[..., m:].contiguous()
+
+            def pool(x=x, retrieve=retrieve, a_next=a_next, slots=slots, a_idx=a_idx):
+                retrieval_pool(x, m, r, retrieve, a_next, slots, anchor_idx=a_idx, path="triton")
+
+            pool()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    pool()
+                torch.cuda.synchronize()
+            kernels = {
+                e.key[:40]: round(e.device_time_total / 20, 2)
+                for e in prof.key_averages()
+                if e.device_time_total > 0
+            }
+            emit(out, {"part": "ranking", "op": "retrieval_pool", "scores": kind, "B": b,
+                       "n": n, "rows": int(retrieve.sum()), "us": 1e3 * graph_ms(pool),
+                       "eager_kernels_us": kernels})  # fmt: skip
+            p_scores = scores(b, m + r, kind)
+            reuse = ~retrieve
+            cnt = torch.full((b, h), m, dtype=torch.int32, device=DEV)
+
+            def rescore(p_scores=p_scores, reuse=reuse, cnt=cnt, a_idx=a_idx, a_next=a_next,
+                        slots=slots):  # fmt: skip
+                cis_triton.rescore_rank_write_triton(p_scores, reuse, a_idx, cnt, a_next, slots)
+
+            us = 1e3 * graph_ms(rescore)
+            emit(out, {"part": "ranking", "op": "rescore_rank_write", "scores": kind, "B": b,
+                       "pool": m + r, "rows": int(reuse.sum()), "us": us})  # fmt: skip
+    for rows, n, k in ((128, 16384, 1024), (8, 16384, 1024), (128, 4096, 64)):
+        x = torch.rand(rows, n, generator=gen, device=DEV)
+        us = 1e3 * graph_ms(lambda x=x, k=k: topk_triton.topk_indices_triton(x, k))
+        emit(out, {"part": "ranking", "op": "topk_indices", "rows": rows, "n": n, "k": k,
+                   "us": us})  # fmt: skip
+
+
 def table(paths: list[str]) -> None:
     """A markdown table of ``bench`` rows (and a summary of ``check`` rows) from JSONL files."""
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
@@ -1156,7 +1228,8 @@ def table(paths: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "part", choices=["check", "check-proxies", "bench", "tune", "tune-codes", "table"]
+        "part",
+        choices=["check", "check-proxies", "bench", "ranking", "tune", "tune-codes", "table"],
     )
     p.add_argument("files", nargs="*", help="table: JSONL files")
     p.add_argument("--out", default=None)
@@ -1256,6 +1329,8 @@ def main(argv: list[str] | None = None) -> int:
         check_selector_paths(out, "louver", {"budget": 1024})
         check_louver_index(out)
         check(out, ("labels", "rabitq"))
+    elif a.part == "ranking":
+        ranking(out)
     elif a.part == "tune-codes":
         for item in a.step_shapes.split(","):
             b, t, h = item.split("x")
