@@ -173,6 +173,26 @@ def kth_largest_key(key, ok, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, R
 
 
 @triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
+def _narrow(key, k, lo, hi, RADIX: tl.constexpr):
+    """One round of the search for the largest ``t`` in ``[lo, hi]`` (int64) with at least
+    ``k`` keys ``>= t``: the keys counted at ``RADIX`` thresholds cutting the interval into equal
+    parts (one block-wide reduction), the part holding ``t`` kept. Returns ``(lo, hi, n_lo,
+    n_hi)``: the new interval, how many keys reach its ``lo``, and how many exceed its ``hi``
+    (``-1`` where ``hi`` was kept, the count above it unchanged)."""
+    offs_r = tl.arange(0, RADIX)
+    cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
+    # The keys compare in int32 (5-9 % faster than int64).
+    cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
+    j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
+    last = j == RADIX - 1
+    hi = tl.where(last, hi, tl.sum(tl.where(offs_r == j + 1, cut, 0), 0) - 1)
+    n_hi = tl.where(last, -1, tl.sum(tl.where(offs_r == j + 1, cnt, 0), 0))
+    lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
+    n_lo = tl.sum(tl.where(offs_r == j, cnt, 0), 0)
+    return lo, hi, n_lo, n_hi
+
+
+@triton.jit  # at import, unlike the kernels (a helper; interpreted tests import with the flag)
 def kth_largest_key_in(key, k, lo, hi, RADIX: tl.constexpr):
     """The largest int32 ``t`` with at least ``k`` of ``key``'s lanes ``>= t``, searched in
     ``[lo, hi]`` only: the caller knows that at least ``k`` keys reach ``lo`` and fewer than
@@ -183,15 +203,8 @@ def kth_largest_key_in(key, k, lo, hi, RADIX: tl.constexpr):
     int32's smallest value."""
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
-    offs_r = tl.arange(0, RADIX)
     while lo < hi:
-        cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
-        # The keys compare in int32 (5-9 % faster than int64).
-        cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
-        j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
-        nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
-        hi = tl.where(j == RADIX - 1, hi, nxt - 1)
-        lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
+        lo, hi, _, _ = _narrow(key, k, lo, hi, RADIX)
     return lo.to(tl.int32)
 
 
@@ -211,17 +224,10 @@ def kth_largest_key_few(key, k, lo, hi, SCRATCH, BLOCK: tl.constexpr, RADIX: tl.
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
     n_in = n_above * 0 + FEW + 1  # unknown until a round has counted: one always runs
-    offs_r = tl.arange(0, RADIX)
     while (lo < hi) & (n_in > FEW):
-        cut = lo + (offs_r.to(tl.int64) * (hi - lo + 1)) // RADIX  # cut[0] = lo
-        cnt = tl.sum((key[:, None] >= cut.to(tl.int32)[None, :]).to(tl.int32), 0)
-        j = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # cnt falls with j; cnt[0] >= k
-        last = j == RADIX - 1
-        nxt = tl.sum(tl.where(offs_r == j + 1, cut, 0), 0)
-        hi = tl.where(last, hi, nxt - 1)
-        n_above = tl.where(last, n_above, tl.sum(tl.where(offs_r == j + 1, cnt, 0), 0))
-        lo = tl.sum(tl.where(offs_r == j, cut, 0), 0)
-        n_in = tl.sum(tl.where(offs_r == j, cnt, 0), 0) - n_above
+        lo, hi, n_lo, n_hi = _narrow(key, k, lo, hi, RADIX)
+        n_above = tl.where(n_hi < 0, n_above, n_hi)
+        n_in = n_lo - n_above
     thr = lo.to(tl.int32)
     if lo < hi:  # at most FEW keys in [lo, hi]; the (k - n_above)-th largest of them
         inside = (key >= thr) & (key <= hi.to(tl.int32))
